@@ -1,0 +1,159 @@
+"""Run the target over rendered samples and write its hidden states to cache shards.
+
+Shards are planned from the samples alone (never from the number of processes), and shard s is computed
+by rank s % world_size: any number of processes writes the same files, and a rerun skips every shard
+whose checksum verifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle.cache import read_complete_shard_info, shard_path, write_shard
+
+log = logging.getLogger(__name__)
+
+
+def bytes_per_token(num_aux: int, hidden_size: int) -> int:
+    """Disk per cached token: bf16 aux and final states, int32 id, uint8 mask."""
+    return 2 * (num_aux + 1) * hidden_size + 4 + 1
+
+
+def plan_shards(lengths: list[int], token_bytes: int, max_shard_bytes: int) -> list[list[int]]:
+    """Consecutive runs of sample indices, each under `max_shard_bytes` (a longer sample gets its own)."""
+    shards, current, current_bytes = [], [], 0
+    for index, length in enumerate(lengths):
+        size = length * token_bytes
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def plan_batches(indices: list[int], lengths: list[int], max_tokens_per_batch: int) -> list[list[int]]:
+    """Group samples of similar length (longest first) so padded tokens stay under the budget."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    batches, current = [], []
+    for index in order:
+        padded = (len(current) + 1) * lengths[current[0] if current else index]
+        if current and padded > max_tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@contextmanager
+def capture_aux_states(model, aux_layer_ids: list[int]):
+    """Record the residual stream entering decoder layer i for each aux id (id L: entering the final norm)."""
+    decoder = model.model
+    num_layers = len(decoder.layers)
+    captured: dict[int, torch.Tensor] = {}
+
+    def recorder(layer_id):
+        def hook(module, args, kwargs):
+            captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    modules = {i: (decoder.layers[i] if i < num_layers else decoder.norm) for i in aux_layer_ids}
+    handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, m in modules.items()]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.inference_mode()
+def target_hidden_states(model, input_ids_BT, attention_mask_BT, aux_layer_ids):
+    """Aux states [B, T, n_aux, H] and final post-norm states [B, T, H] in one target forward.
+
+    Only the decoder runs: the lm_head's logits are not needed for the cache.
+    """
+    with capture_aux_states(model, aux_layer_ids) as captured:
+        final_BTH = model.model(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
+        ).last_hidden_state
+    if aux_layer_ids:
+        aux_BTNH = torch.stack([captured[i] for i in aux_layer_ids], dim=2)
+    else:
+        aux_BTNH = final_BTH.new_zeros(*final_BTH.shape[:2], 0, final_BTH.shape[-1])
+    return aux_BTNH, final_BTH
+
+
+def pad_batch(samples, indices, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask: right padding leaves every real position's states unchanged."""
+    max_len = max(len(samples[i].input_ids) for i in indices)
+    input_ids = torch.full((len(indices), max_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(indices), max_len), dtype=torch.long)
+    for row, i in enumerate(indices):
+        ids = samples[i].input_ids
+        input_ids[row, : len(ids)] = torch.as_tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def compute_shard(model, samples, indices, aux_layer_ids, max_tokens_per_batch, pad_id, device, on_tokens):
+    """Hidden states of the samples `indices`, in that order, ready for `write_shard`."""
+    lengths = [len(s.input_ids) for s in samples]
+    results = {}
+    for batch in plan_batches(indices, lengths, max_tokens_per_batch):
+        input_ids, attention_mask = pad_batch(samples, batch, pad_id, device)
+        aux_BTNH, final_BTH = target_hidden_states(model, input_ids, attention_mask, aux_layer_ids)
+        aux_BTNH, final_BTH = aux_BTNH.to("cpu", torch.bfloat16), final_BTH.to("cpu", torch.bfloat16)
+        for row, i in enumerate(batch):
+            n = lengths[i]
+            results[i] = {
+                "id": samples[i].id,
+                "input_ids": samples[i].input_ids,
+                "loss_mask": samples[i].loss_mask,
+                "aux_hidden": aux_BTNH[row, :n].clone(),
+                "final_hidden": final_BTH[row, :n].clone(),
+            }
+        on_tokens(sum(lengths[i] for i in batch))
+    return [results[i] for i in indices]
+
+
+def cache_split(
+    model, samples, split_dir: Path, shard_plan, aux_layer_ids, max_tokens_per_batch, pad_id, accelerator, desc
+) -> dict:
+    """Compute and write this rank's shards of one split; finished shards are verified and kept."""
+    split_dir.mkdir(parents=True, exist_ok=True)
+    mine = [s for s in range(len(shard_plan)) if s % accelerator.num_processes == accelerator.process_index]
+    todo = []
+    for s in mine:
+        for stale in split_dir.glob(f".{shard_path(split_dir, s).name}.tmp-*"):  # left by a killed run
+            stale.unlink()
+        if read_complete_shard_info(shard_path(split_dir, s)) is None:
+            if shard_path(split_dir, s).exists():
+                log.warning("%s: incomplete or corrupt, recomputing it", shard_path(split_dir, s))
+            todo.append(s)
+    num_tokens = sum(len(samples[i].input_ids) for s in todo for i in shard_plan[s])
+    stats = {"num_shards_reused": len(mine) - len(todo), "num_shards_written": len(todo), "num_tokens": num_tokens}
+    if not todo:
+        return stats
+    bar = tqdm(
+        total=num_tokens, desc=desc, unit="tok", unit_scale=True, disable=not accelerator.is_local_main_process
+    )
+    start = time.perf_counter()
+    for s in todo:
+        shard = compute_shard(
+            model, samples, shard_plan[s], aux_layer_ids, max_tokens_per_batch, pad_id, accelerator.device, bar.update
+        )
+        write_shard(shard_path(split_dir, s), shard)
+    bar.close()
+    stats["seconds"] = time.perf_counter() - start
+    return stats

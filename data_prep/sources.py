@@ -1,0 +1,448 @@
+"""Read chat conversations from local files or the Hugging Face hub and normalize them.
+
+`load_conversations(cfg.data)` turns ShareGPT (`conversations: [{from, value}]`), OpenAI
+(`messages: [{role, content}]`) or custom-field records into `Conversation`s shaped
+`[system] user assistant (user assistant)*`, the shape the chat template and the loss mask expect.
+Records that cannot be used are skipped and counted by reason. Truncated or corrupt JSON files keep
+their complete records and are reported (or raise, with `strict=true`), because real dumps often
+ship cut off.
+
+`cfg.source` is a .json / .jsonl / .parquet file, a glob of them, a directory of them, a directory
+written by `datasets` `save_to_disk`, or otherwise a Hugging Face hub dataset name.
+
+The data_prep stage calls `load_conversations` from its `run(cfg)`; to inspect a source by hand:
+
+    python -m data_prep.sources path/to/sharegpt.json --format sharegpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import collections
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow.parquet as pq
+
+from eagle.config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+FILE_EXTENSIONS = (".json", ".jsonl", ".parquet")
+FORMATS = ("auto", "sharegpt", "openai", "fields")
+ROLES = ("system", "user", "assistant")
+# raw_decode does not skip the whitespace JSON allows between values; this is the set json itself uses.
+JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+# Called with one line per file-level problem; logs it and goes on, or raises when `strict`.
+ProblemReporter = Callable[[str], None]
+
+
+@dataclass
+class Conversation:
+    id: str  # `cfg.id_field` of the record, else a hash of the messages; unique within one load
+    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+
+
+@dataclass
+class LoadedConversations:
+    conversations: list[Conversation]
+    skipped: collections.Counter  # reason -> number of records skipped for it
+    problems: list[str]  # one line per file-level problem, naming the file and the line or byte offset
+    fingerprint: str  # sha256 over ids + messages in order: changes whenever the training data does
+
+
+class SkippedRecord(Exception):
+    """A record that cannot become a conversation; `reason` is its key in `LoadedConversations.skipped`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class UniqueIds:
+    """Hands out ids, renaming repeats `id#2`, `id#3`, ... in the order they are met."""
+
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+        self.next_copy: dict[str, int] = {}  # remembers the last suffix so 10k repeats stay linear
+        self.num_renamed = 0
+
+    def claim(self, wanted: str) -> str:
+        copy = self.next_copy.get(wanted, 1)
+        unique = wanted if copy == 1 else f"{wanted}#{copy}"
+        while unique in self.used:
+            copy += 1
+            unique = f"{wanted}#{copy}"
+        self.next_copy[wanted] = copy
+        self.used.add(unique)
+        self.num_renamed += unique != wanted
+        return unique
+
+
+def load_conversations(cfg: DataConfig) -> LoadedConversations:
+    """Read `cfg.source`, keep the usable conversations and count the rest by why they were dropped."""
+    check_data_config(cfg)
+    role_map = {str(source_role).strip().lower(): role for source_role, role in cfg.role_map.items()}
+    skipped: collections.Counter = collections.Counter()
+    problems: list[str] = []
+
+    def report_problem(message: str) -> None:
+        if cfg.strict:
+            raise ValueError(f"{message} (data.strict=true; set it false to keep the complete records)")
+        logger.warning(message)
+        problems.append(message)
+        skipped["corrupt_json"] += 1
+
+    conversations: list[Conversation] = []
+    ids = UniqueIds()
+    for record in read_records(cfg, report_problem):
+        try:
+            turns = extract_turns(record, cfg)
+            messages = normalize_messages(turns, role_map, cfg.system_prompt)
+        except SkippedRecord as skip:
+            skipped[skip.reason] += 1
+            continue
+        conversations.append(Conversation(ids.claim(record_id(record, messages, cfg.id_field)), messages))
+        if cfg.num_samples is not None and len(conversations) >= cfg.num_samples:
+            break  # stop reading: the rest of the source would be thrown away
+
+    if ids.num_renamed:
+        logger.warning(
+            "%d conversations repeat an earlier id; made unique by appending #2, #3, ...", ids.num_renamed
+        )
+    if not conversations:
+        raise ValueError(
+            f"no usable conversations in data.source={cfg.source!r} (format={cfg.format}); "
+            f"skipped: {dict(skipped)}; problems: {problems}"
+        )
+    logger.info(
+        "loaded %d conversations from %s (skipped: %s)", len(conversations), cfg.source, dict(skipped)
+    )
+    return LoadedConversations(conversations, skipped, problems, fingerprint_conversations(conversations))
+
+
+def check_data_config(cfg: DataConfig) -> None:
+    if cfg.format not in FORMATS:
+        raise ValueError(f"data.format={cfg.format!r} is not one of {FORMATS}")
+    if cfg.format == "fields" and not cfg.messages_field:
+        raise ValueError("data.format=fields needs data.messages_field (the record key holding the turns)")
+    bad_roles = {src: dst for src, dst in cfg.role_map.items() if dst not in ROLES}
+    if bad_roles:
+        raise ValueError(f"data.role_map must map onto {ROLES}; these do not: {bad_roles}")
+    if cfg.num_samples is not None and cfg.num_samples < 1:
+        raise ValueError(f"data.num_samples must be >= 1 or null (all), got {cfg.num_samples}")
+
+
+# Sources: where the raw records come from.
+
+
+def read_records(cfg: DataConfig, report_problem: ProblemReporter) -> Iterator[Any]:
+    """Yield the raw records of `cfg.source` in a fixed order (files sorted by path)."""
+    source = str(cfg.source)
+    local = os.path.expanduser(source)
+    if os.path.isdir(local) and is_saved_dataset(local):
+        yield from read_saved_dataset(local, cfg.split)
+    elif os.path.exists(local) or looks_like_path(source):
+        turn_fields = ("conversations", "messages", cfg.messages_field)
+        for path in find_data_files(source):
+            yield from read_file(path, turn_fields, report_problem)
+    else:
+        yield from read_hub_dataset(source, cfg.split)
+
+
+def looks_like_path(source: str) -> bool:
+    # Hub names are `owner/name`, so a slash alone does not make a path; these do.
+    return (
+        os.path.isabs(source)
+        or source.startswith((".", "~"))
+        or source.lower().endswith(FILE_EXTENSIONS)
+        or any(char in source for char in "*?[")
+    )
+
+
+def is_saved_dataset(directory: str) -> bool:
+    # The files `Dataset.save_to_disk` and `DatasetDict.save_to_disk` always write.
+    return any(os.path.isfile(os.path.join(directory, name)) for name in ("state.json", "dataset_dict.json"))
+
+
+def find_data_files(source: str) -> list[str]:
+    """The .json/.jsonl/.parquet files a path, glob or directory names, sorted so runs repeat."""
+    local = os.path.expanduser(source)
+    if os.path.isdir(local):
+        matches = sorted(glob.glob(os.path.join(glob.escape(local), "*")))
+    elif os.path.isfile(local):
+        matches = [local]
+    else:
+        matches = sorted(path for path in glob.glob(local, recursive=True) if os.path.isfile(path))
+    data_files = [path for path in matches if path.lower().endswith(FILE_EXTENSIONS)]
+    if not data_files:
+        found = f"; it matches only {matches[:5]}" if matches else ""
+        raise ValueError(
+            f"data.source={source!r} names no {'/'.join(FILE_EXTENSIONS)} file, glob of them, directory of "
+            f"them or `save_to_disk` directory{found}"
+        )
+    return data_files
+
+
+def read_saved_dataset(directory: str, split: str) -> Iterator[dict]:
+    loaded = datasets.load_from_disk(directory)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"{directory} holds splits {sorted(loaded)}; data.split={split!r} is not one")
+        loaded = loaded[split]
+    yield from loaded
+
+
+def read_hub_dataset(name: str, split: str) -> Iterator[dict]:
+    try:
+        dataset = datasets.load_dataset(name, split=split)
+    except Exception as err:  # hub, network and format errors all mean the same thing to the user
+        raise ValueError(
+            f"data.source={name!r} is not a local file or directory, and loading it as a Hugging Face "
+            f"hub dataset (split={split!r}) failed: {err}"
+        ) from err
+    yield from dataset
+
+
+def read_file(path: str, turn_fields: tuple, report_problem: ProblemReporter) -> Iterator[Any]:
+    if path.lower().endswith(".jsonl"):
+        with open(path, "rb") as lines:
+            yield from decode_json_lines(lines, path, report_problem)
+    elif path.lower().endswith(".json"):
+        yield from read_json_file(path, turn_fields, report_problem)
+    else:
+        yield from read_parquet_file(path)
+
+
+def read_parquet_file(path: str) -> Iterator[dict]:
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow's errors do not say which file
+        raise ValueError(f"{path}: cannot read Parquet file: {err}") from err
+    for batch in parquet.iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+def decode_json_lines(lines: Iterable[bytes], path: str, report_problem: ProblemReporter) -> Iterator[Any]:
+    """One JSON value per line; a corrupt line is reported and the others are still used."""
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)  # bytes in: json detects UTF-8 and a leading BOM itself
+        except json.JSONDecodeError as err:
+            report_problem(f"{path}: line {line_number}: {err.msg} at column {err.colno}")
+        except UnicodeDecodeError as err:
+            report_problem(f"{path}: line {line_number}: invalid UTF-8 ({err.reason})")
+
+
+def read_json_file(path: str, turn_fields: tuple, report_problem: ProblemReporter) -> Iterator[Any]:
+    """A top-level array of records (decoded one by one), `{"data": [...]}`, one record, or JSON Lines."""
+    data = Path(path).read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    text = decode_utf8_prefix(data[bom:])
+
+    def byte_offset(char_index: int) -> int:
+        return bom + len(text[:char_index].encode("utf-8"))
+
+    start = JSON_WHITESPACE.match(text).end()
+    if text.startswith("[", start):
+        yield from decode_json_array(text, start, path, byte_offset, report_problem)
+        return
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # several top-level values: JSON Lines saved under a .json name
+            yield from decode_json_lines(data.splitlines(), path, report_problem)
+        else:
+            report_problem(
+                f"{path}: truncated/corrupt JSON at byte {byte_offset(err.pos)} after 0 complete records: "
+                f"{err.msg}"
+            )
+        return
+    yield from records_in_json_document(document, turn_fields)
+
+
+def decode_utf8_prefix(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        # A file cut inside a multi-byte character keeps what comes before; the JSON decoder then
+        # reports the truncation at that byte.
+        return data[: err.start].decode("utf-8")
+
+
+def decode_json_array(
+    text: str, start: int, path: str, byte_offset: Callable[[int], int], report_problem: ProblemReporter
+) -> Iterator[Any]:
+    """Decode `text[start:]`, a JSON array, one element at a time so a cut-off file keeps its prefix.
+
+    raw_decode on the whole string at a moving index is linear in the file size: nothing is re-parsed
+    and no substrings are built, which matters for 100+ MB ShareGPT dumps.
+    """
+    decoder = json.JSONDecoder()
+    num_records = 0
+
+    def report_stop(char_index: int, why: str) -> None:
+        report_problem(
+            f"{path}: truncated/corrupt JSON at byte {byte_offset(char_index)} after {num_records} "
+            f"complete records: {why}"
+        )
+
+    pos = JSON_WHITESPACE.match(text, start + 1).end()
+    if text.startswith("]", pos):
+        return
+    while True:
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as err:
+            report_stop(err.pos, err.msg)
+            return
+        yield record
+        num_records += 1
+        pos = JSON_WHITESPACE.match(text, pos).end()
+        if text.startswith("]", pos):
+            break
+        if not text.startswith(",", pos):
+            report_stop(pos, "expected ',' or ']' after a record")
+            return
+        pos = JSON_WHITESPACE.match(text, pos + 1).end()
+    end = JSON_WHITESPACE.match(text, pos + 1).end()
+    if end != len(text):
+        report_stop(end, "extra data after the closing ']'")
+
+
+def records_in_json_document(document: Any, turn_fields: tuple) -> Iterator[Any]:
+    if isinstance(document, list):
+        yield from document
+        return
+    if isinstance(document, dict) and not any(name in document for name in turn_fields if name):
+        # A wrapper such as {"version": 2, "data": [...]}: the records are its only list.
+        lists = [value for value in document.values() if isinstance(value, list)]
+        if len(lists) == 1:
+            yield from lists[0]
+            return
+    yield document  # one record, or something unusable that the normalizer counts as malformed
+
+
+# Records: from one raw record to normalized messages, or a reason to skip it.
+
+
+def extract_turns(record: Any, cfg: DataConfig) -> list[tuple[Any, Any]]:
+    """The record's turns as (source role, content) pairs, read with the keys of its format."""
+    if not isinstance(record, dict):
+        raise SkippedRecord("malformed_record")
+    if cfg.format == "sharegpt":
+        turns_field, role_key, content_key = cfg.messages_field or "conversations", "from", "value"
+    elif cfg.format == "openai":
+        turns_field, role_key, content_key = cfg.messages_field or "messages", "role", "content"
+    elif cfg.format == "fields":
+        turns_field, role_key, content_key = cfg.messages_field, cfg.role_field, cfg.content_field
+    else:
+        # auto. Parquet/Arrow rows carry every column of the file, so an absent field reads as None.
+        candidates = [cfg.messages_field] if cfg.messages_field else ["conversations", "messages"]
+        turns_field = next((name for name in candidates if record.get(name) is not None), candidates[0])
+        role_key, content_key = None, None
+
+    turns = record.get(turns_field)
+    if not isinstance(turns, list):
+        raise SkippedRecord("malformed_record")
+    if not turns:
+        raise SkippedRecord("empty_conversation")
+    if role_key is None:
+        first = turns[0] if isinstance(turns[0], dict) else {}
+        if first.get("from") is not None:
+            role_key, content_key = "from", "value"
+        elif first.get("role") is not None:
+            role_key, content_key = "role", "content"
+        else:
+            role_key, content_key = cfg.role_field, cfg.content_field
+
+    pairs = []
+    for turn in turns:
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            raise SkippedRecord("malformed_record")
+        pairs.append((turn[role_key], turn[content_key]))
+    return pairs
+
+
+def normalize_messages(
+    turns: list[tuple[Any, Any]], role_map: dict[str, str], system_prompt: str | None
+) -> list[dict[str, str]]:
+    """Map roles, check `[system] user assistant (user assistant)*`, and drop an unanswered last question."""
+    messages = []
+    for source_role, content in turns:
+        if not isinstance(source_role, str):
+            raise SkippedRecord("malformed_record")
+        role = role_map.get(source_role.strip().lower())
+        if role is None:
+            raise SkippedRecord("unknown_role")
+        if not isinstance(content, str):
+            raise SkippedRecord("malformed_record")
+        messages.append({"role": role, "content": content})
+
+    after_system = messages[1:] if messages[0]["role"] == "system" else messages
+    for index, message in enumerate(after_system):
+        if message["role"] != ("user" if index % 2 == 0 else "assistant"):
+            raise SkippedRecord("not_alternating")
+    if messages[-1]["role"] == "user":
+        messages.pop()  # a question with no answer gives the draft nothing to learn
+    assistant_turns = [message for message in messages if message["role"] == "assistant"]
+    if not assistant_turns:
+        raise SkippedRecord("no_assistant_turn")
+    if any(not message["content"].strip() for message in assistant_turns):
+        raise SkippedRecord("empty_assistant_turn")
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def record_id(record: dict, messages: list[dict[str, str]], id_field: str | None) -> str:
+    value = record.get(id_field) if id_field else None
+    if value is not None and str(value).strip():
+        return str(value)
+    # Content-derived, so the same conversation keeps its id (and its train/eval side) across runs.
+    return hashlib.sha256(canonical_json(messages)).hexdigest()[:16]
+
+
+def canonical_json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def fingerprint_conversations(conversations: list[Conversation]) -> str:
+    digest = hashlib.sha256()
+    for conversation in conversations:
+        # json.dumps escapes newlines inside strings, so b"\n" cleanly separates conversations.
+        digest.update(canonical_json([conversation.id, conversation.messages]) + b"\n")
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Load a conversation source and summarize what is usable.")
+    parser.add_argument("source", help="file, glob, directory or Hugging Face hub dataset name")
+    parser.add_argument("--format", default="auto", choices=FORMATS)
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--strict", action="store_true", help="raise on truncated/corrupt files")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = DataConfig(source=args.source, format=args.format, split=args.split, strict=args.strict)
+    loaded = load_conversations(cfg)
+    print(
+        f"{len(loaded.conversations)} conversations | skipped {dict(loaded.skipped)} | fingerprint {loaded.fingerprint}"
+    )
+    print(json.dumps(asdict(loaded.conversations[0]), ensure_ascii=False, indent=2)[:2000])
+
+
+if __name__ == "__main__":
+    main()

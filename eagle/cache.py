@@ -1,0 +1,151 @@
+"""The hidden-state cache on disk: safetensors shards of many samples each, read lazily.
+
+Layout of `<run_dir>/cache/`:
+    manifest.json                      identity (target, tokenizer, layers, data) + stats + shard checksums
+    vocab.safetensors                  draft vocabulary map (t2d, d2t, token_counts)
+    eval_conversations.jsonl           the held-out conversations (prompts for eval)
+    {train,eval}/shard-00000.safetensors
+    {train,eval}/shard-00000.json      sidecar: checksum and counts, written after the shard
+
+A shard holds the samples' tokens back to back (N tokens in all):
+    input_ids      [N] int32
+    loss_mask      [N] uint8          1 = assistant token (trained on)
+    aux_hidden     [N, n_aux, H] bf16 residual stream entering each aux layer (vLLM ids, ascending)
+    final_hidden   [N, H] bf16        the target's last hidden state after its final norm
+    sample_offsets [n+1] int64        sample i is tokens [offsets[i], offsets[i+1])
+and the format name and sample ids in its metadata (one JSON string under the key `eagle`). Files are memory-mapped: reading a sample reads only its rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle.manifest import read_manifest, write_json_atomic
+
+SHARD_FORMAT = "eagle-hidden-cache-v1"
+HIDDEN_DTYPE = torch.bfloat16
+
+
+def shard_path(split_dir: Path, index: int) -> Path:
+    return split_dir / f"shard-{index:05d}.safetensors"
+
+
+def sidecar_path(shard: Path) -> Path:
+    return shard.with_suffix(".json")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_shard(path: Path, samples: list[dict]) -> dict:
+    """Write samples ({id, input_ids, loss_mask, aux_hidden, final_hidden}) as one shard, atomically.
+
+    The sidecar with the checksum is written after the shard is in place, so a shard without a valid
+    sidecar is never taken for complete, whenever the process dies.
+    """
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64)
+    tensors = {
+        "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]),
+        "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]),
+        "aux_hidden": torch.cat([s["aux_hidden"].to(HIDDEN_DTYPE) for s in samples]),
+        "final_hidden": torch.cat([s["final_hidden"].to(HIDDEN_DTYPE) for s in samples]),
+        "sample_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+    }
+    # One metadata key: safetensors writes several in hash-map order, which differs from run to run.
+    metadata = {"eagle": json.dumps({"format": SHARD_FORMAT, "sample_ids": [s["id"] for s in samples]})}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    info = {
+        "file": path.name,
+        "sha256": file_sha256(tmp),
+        "num_samples": len(samples),
+        "num_tokens": int(lengths.sum()),
+        "num_loss_tokens": int(tensors["loss_mask"].sum()),
+        "num_bytes": tmp.stat().st_size,
+    }
+    os.replace(tmp, path)
+    write_json_atomic(sidecar_path(path), info)
+    return info
+
+
+def read_complete_shard_info(path: Path) -> dict | None:
+    """The sidecar of a finished, intact shard; None when the shard is missing, unfinished or corrupt."""
+    sidecar = sidecar_path(path)
+    if not (path.exists() and sidecar.exists()):
+        return None
+    try:
+        info = json.loads(sidecar.read_text())
+    except json.JSONDecodeError:
+        return None
+    return info if file_sha256(path) == info.get("sha256") else None
+
+
+class CacheSplit:
+    """One split (`train` or `eval`) of a finished cache, indexed by sample, read lazily.
+
+    `verify=True` checks every shard against the checksum in the manifest first.
+    """
+
+    def __init__(self, cache_dir: str | Path, split: str = "train", verify: bool = True):
+        self.cache_dir = Path(cache_dir)
+        self.manifest = read_manifest(self.cache_dir)
+        if not self.manifest.get("complete"):
+            raise ValueError(f"{self.cache_dir}: the cache is unfinished; run data_prep again to complete it")
+        if split not in self.manifest["splits"]:
+            raise ValueError(f"{self.cache_dir}: no split {split!r} (have {sorted(self.manifest['splits'])})")
+        self.split_dir = self.cache_dir / split
+        self.shards = self.manifest["splits"][split]["shards"]
+        self._handles: dict[int, object] = {}
+        self.ids: list[str] = []
+        self.lengths: list[int] = []
+        self._where: list[tuple[int, int, int]] = []  # sample -> (shard, first token, end token)
+        for shard_index, info in enumerate(self.shards):
+            path = self.split_dir / info["file"]
+            if not path.exists():
+                raise ValueError(f"cache shard {path} is missing; run data_prep again to rebuild it")
+            if verify and file_sha256(path) != info["sha256"]:
+                raise ValueError(
+                    f"cache shard {path}: checksum mismatch (the file is corrupt or was changed after the cache "
+                    "was written); delete it and run data_prep again to rebuild it"
+                )
+            handle = self._handle(shard_index)
+            offsets = handle.get_tensor("sample_offsets").tolist()
+            self.ids += json.loads(handle.metadata()["eagle"])["sample_ids"]
+            for start, end in zip(offsets[:-1], offsets[1:]):
+                self._where.append((shard_index, start, end))
+                self.lengths.append(end - start)
+
+    def _handle(self, shard_index: int):
+        if shard_index not in self._handles:
+            path = self.split_dir / self.shards[shard_index]["file"]
+            self._handles[shard_index] = safe_open(str(path), framework="pt")
+        return self._handles[shard_index]
+
+    def __getstate__(self):
+        # File handles do not cross process boundaries (DataLoader workers): reopen there.
+        return {**self.__dict__, "_handles": {}}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        shard_index, start, end = self._where[index]
+        handle = self._handle(shard_index)
+        return {
+            "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),
+            "loss_mask": handle.get_slice("loss_mask")[start:end].to(torch.bool),
+            "aux_hidden": handle.get_slice("aux_hidden")[start:end],
+            "final_hidden": handle.get_slice("final_hidden")[start:end],
+        }

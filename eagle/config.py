@@ -1,0 +1,122 @@
+"""Typed config schemas for every stage, registered in Hydra's ConfigStore.
+
+YAML under `conf/` holds values only; these dataclasses say what each field is and check its type.
+A run is one experiment file plus a few overrides, e.g.
+`python data_prep/main.py experiment=smoke run_dir=/tmp/smoke`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+# ShareGPT dumps name the assistant after the product that answered; all of them are the assistant.
+DEFAULT_ROLE_MAP = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+}
+
+
+@dataclass
+class TargetConfig:
+    path: str = MISSING  # HF hub id or local directory of the target model (weights + tokenizer)
+    revision: Optional[str] = None  # hub revision (branch, tag or commit); ignored for local directories
+    dtype: str = "bfloat16"  # dtype the target runs in while caching: bfloat16 | float16 | float32
+    chat_template: Optional[str] = None  # Jinja chat template (or a path to one) for tokenizers without one
+    build: Optional[str] = None  # build an embedded target at `path` when it is not there yet: smoke | smollm2
+
+
+@dataclass
+class DataConfig:
+    source: str = MISSING  # HF dataset name, a local `save_to_disk` directory, or local .json/.jsonl/.parquet file(s) (globs ok)
+    split: str = "train"  # split to read from HF datasets sources
+    format: str = "auto"  # record format: auto | sharegpt | openai | fields
+    messages_field: Optional[str] = None  # field holding the turns (auto: `conversations` or `messages`)
+    role_field: str = "role"  # per-turn role key for format=fields (sharegpt uses `from`, openai `role`)
+    content_field: str = "content"  # per-turn text key for format=fields (sharegpt uses `value`, openai `content`)
+    id_field: Optional[str] = "id"  # record id key; records without one get a hash of their content
+    role_map: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MAP))  # source role -> system|user|assistant
+    system_prompt: Optional[str] = None  # system message added to conversations that have none
+    num_samples: Optional[int] = None  # use only the first N valid conversations (None: all)
+    eval_fraction: float = 0.05  # fraction held out for evaluation, chosen by a hash of the conversation id
+    strict: bool = False  # raise on a corrupt or truncated file instead of using its complete records
+
+
+@dataclass
+class RenderConfig:
+    max_length: int = 2048  # longest tokenized conversation kept
+    overlong: str = "truncate"  # what to do with longer ones: truncate (keep the first max_length tokens) | drop
+
+
+@dataclass
+class RegenConfig:
+    enabled: bool = False  # replace every assistant turn with the target's own answer (vLLM, offline API)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
+    max_new_tokens: int = 512  # cap on each regenerated turn
+    seed: int = 0  # sampling seed (vLLM per-request seeds derive from it)
+    batch_size: int = 256  # conversations sent to vLLM per call
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra `vllm.LLM(...)` arguments (e.g. enforce_eager)
+
+
+@dataclass
+class CacheConfig:
+    aux_layer_ids: Optional[list[int]] = None  # EAGLE-3 aux layers, vLLM ids; None: (2, L//2, L-3); [] for EAGLE-1 only
+    draft_vocab_size: int = 32000  # draft vocab kept by frequency; >= target vocab means no pruning
+    max_tokens_per_batch: int = 8192  # padded tokens per target forward
+    max_shard_mb: int = 1024  # shard size cap; shards never depend on the number of processes
+    num_threads: Optional[int] = None  # torch CPU threads per process (None: torch's default)
+
+
+@dataclass
+class DataPrepConfig:
+    run_dir: str = MISSING  # run directory shared by all stages; the cache goes to <run_dir>/cache
+    seed: int = 0  # seed for anything random in this stage
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    render: RenderConfig = field(default_factory=RenderConfig)
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML under conf/ is type-checked against them."""
+    cs = ConfigStore.instance()
+    cs.store(name="data_prep_schema", node=DataPrepConfig)
+
+
+def _package_file(name: str) -> str:
+    return str(Path(__file__).parent / "smoke_data" / name)
+
+
+def _sharegpt_json() -> str:
+    from eagle.assets import sharegpt_json_path
+
+    return str(sharegpt_json_path())
+
+
+# `${smoke_data:conversations.jsonl}` and `${sharegpt_json:}` in conf/data/*.yaml.
+OmegaConf.register_new_resolver("smoke_data", _package_file, replace=True)
+OmegaConf.register_new_resolver("sharegpt_json", _sharegpt_json, replace=True)
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config a stage's main.py would get for these command-line overrides (for tests and scripts)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=list(overrides))

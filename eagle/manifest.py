@@ -1,0 +1,45 @@
+"""JSON manifests: what an artifact was made from, checked by the stage that reads it.
+
+A manifest's identity fields say which target, tokenizer, layers and data an artifact belongs to.
+Reusing a directory for other ones is refused with the name of the field that differs: a silent mix of
+two targets' hidden states would train a head that never drafts well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON through a temporary file and a rename: readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST_NAME
+    if not path.exists():
+        raise ValueError(f"{path}: no manifest; is {directory} a directory written by this pipeline?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: corrupt manifest ({error})") from error
+
+
+def check_identity(found: dict, expected: dict, where: Path, hint: str = "") -> None:
+    """Refuse an artifact whose identity fields differ from what this run expects, naming them."""
+    differing = [key for key in expected if key in found and found[key] != expected[key]]
+    missing = [key for key in expected if key not in found]
+    if differing or missing:
+        lines = [f"  {key}: found {found[key]!r}, this run has {expected[key]!r}" for key in differing]
+        lines += [f"  {key}: missing from the manifest" for key in missing]
+        raise ValueError(
+            f"{where} was made for something else; these fields differ:\n" + "\n".join(lines) + (f"\n{hint}" if hint else "")
+        )

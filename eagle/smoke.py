@@ -1,0 +1,113 @@
+"""The smoke target: a tiny random Llama with a real BPE tokenizer and a ChatML template, built locally.
+
+It is the project's debug model (`experiment=smoke`): every stage runs on it in seconds, on CPU, with no
+download. The build is deterministic (same seed, same files), so caches and heads made from it in
+different runs or processes agree.
+
+    python -m eagle.smoke /tmp/smoke_target
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SMOKE_DATA = Path(__file__).parent / "smoke_data" / "conversations.jsonl"
+DONE_MARKER = ".smoke_target_complete"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 1024
+
+
+def smoke_texts() -> list[str]:
+    """Every message of the shipped smoke conversations: the tokenizer's training text."""
+    texts = []
+    for line in SMOKE_DATA.read_text(encoding="utf-8").splitlines():
+        texts += [turn["value"] for turn in json.loads(line)["conversations"]]
+    return texts
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the smoke conversations, GPT-2 style, with ChatML special tokens."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(smoke_texts(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def smoke_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> LlamaConfig:
+    # head_dim 64 because vLLM's CPU attention supports only a few head sizes; 6 layers so that the
+    # EAGLE-3 taps (low, middle, high) are distinct layers.
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+
+
+def build_smoke_target(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the smoke target to `out_dir` (once: an existing complete build is reused)."""
+    out_dir = Path(out_dir)
+    if (out_dir / DONE_MARKER).exists():
+        return out_dir
+    tokenizer = build_tokenizer()
+    config = smoke_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    # Build beside the destination and rename: a killed build never looks complete.
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    (tmp_dir / DONE_MARKER).write_text("ok\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp_dir, out_dir)
+    return out_dir
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m eagle.smoke OUT_DIR")
+    print(build_smoke_target(sys.argv[1]))

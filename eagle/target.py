@@ -1,0 +1,104 @@
+"""The target model: where it lives, how to load it, and the hashes that identify it.
+
+Every stage resolves the target through `target_dir` (a local directory, or a hub id downloaded into the
+Hugging Face cache) so that the same files are loaded, hashed and recorded in the manifests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def target_dir(cfg) -> Path:
+    """The local directory holding the target: `cfg.path` itself, or its hub snapshot."""
+    path = Path(cfg.path).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_absolute() or cfg.path.startswith("."):
+        raise ValueError(f"target.path={cfg.path!r}: no such directory (a hub id looks like 'org/name')")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(cfg.path, revision=cfg.revision))
+
+
+def load_tokenizer(cfg) -> PreTrainedTokenizerBase:
+    """The target's fast tokenizer, with a chat template (from the tokenizer or `target.chat_template`)."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(cfg))
+    if cfg.chat_template:
+        template_path = Path(cfg.chat_template).expanduser()
+        is_file = len(cfg.chat_template) < 4096 and "{" not in cfg.chat_template and template_path.is_file()
+        tokenizer.chat_template = template_path.read_text() if is_file else cfg.chat_template
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"The tokenizer of target {cfg.path!r} has no chat template, so conversations cannot be rendered "
+            "the way the target sees them when served. Give one with "
+            "`target.chat_template=/path/to/template.jinja` (or the Jinja string itself), the same template "
+            "vLLM will serve with."
+        )
+    if not tokenizer.is_fast:
+        raise ValueError(f"target {cfg.path!r}: a fast tokenizer is needed (character offsets for loss masks)")
+    return tokenizer
+
+
+def load_config(cfg):
+    return AutoConfig.from_pretrained(target_dir(cfg))
+
+
+def load_model(cfg, device: torch.device | str = "cpu"):
+    """The target in `cfg.dtype`, in eval mode, without gradients."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"target.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
+    model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=DTYPES[cfg.dtype])
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def weights_hash(directory: Path) -> str:
+    """sha256 over config.json and every weight file, in name order: a content hash of the target."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in directory.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
+        raise ValueError(f"{directory}: no weight files (*.safetensors or *.bin)")
+    for path in files:
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 over the tokenizer's vocabulary/merges, its special tokens and its chat template."""
+    digest = hashlib.sha256()
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(str(sorted(tokenizer.special_tokens_map.items())).encode())
+    digest.update((tokenizer.chat_template or "").encode())
+    return digest.hexdigest()
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's default taps (2, L//2, L-3) in vLLM's convention, sorted and de-duplicated as vLLM does."""
+    return sorted({2, num_hidden_layers // 2, num_hidden_layers - 3})
+
+
+def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> list[int]:
+    """Validated aux ids: id i is the residual stream entering decoder layer i (id L: before the final norm)."""
+    if ids is None:
+        ids = default_aux_layer_ids(num_hidden_layers)
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
+    if bad:
+        raise ValueError(f"cache.aux_layer_ids={ids}: ids {bad} are outside 0..{num_hidden_layers} for this target")
+    if ids != sorted(set(ids)):
+        raise ValueError(
+            f"cache.aux_layer_ids={ids}: give them ascending and without repeats; vLLM sorts and "
+            "de-duplicates them, so any other order would train `fc` on a different concatenation"
+        )
+    return ids

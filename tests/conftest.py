@@ -1,0 +1,41 @@
+"""Shared fixtures: the smoke cache is built once per test session (CPU, a few seconds)."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle.config import compose
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def smoke_config(run_dir, *overrides):
+    # One CPU thread: bitwise-equal results between in-process runs and torchrun workers (which get 1).
+    return compose("data_prep", ["experiment=smoke", f"run_dir={run_dir}", "cache.num_threads=1", *overrides])
+
+
+@pytest.fixture(scope="session")
+def smoke_target_dir(tmp_path_factory) -> Path:
+    from eagle.smoke import build_smoke_target
+
+    return build_smoke_target(tmp_path_factory.mktemp("target") / "smoke_target")
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, smoke_target_dir) -> Path:
+    """A run directory with a finished smoke cache (treat as read-only; copy it to change it)."""
+    from data_prep.main import run
+
+    run_dir = tmp_path_factory.mktemp("smoke_run")
+    shutil.copytree(smoke_target_dir, run_dir / "smoke_target")
+    run(smoke_config(run_dir))
+    return run_dir
+
+
+@pytest.fixture
+def subprocess_env():
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env

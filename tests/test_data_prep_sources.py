@@ -1,0 +1,330 @@
+"""Tests for data_prep/sources.py: source kinds, record formats, skip reasons, ids, robust JSON reading."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from data_prep import sources
+from data_prep.sources import load_conversations
+from eagle.config import DataConfig
+
+# Non-ASCII text makes byte offsets and character offsets differ, so the tests can tell them apart.
+UNICODE_ANSWER = "こんにちは、世界。" * 10
+
+
+def sharegpt(record_id, *turns):
+    return {"id": record_id, "conversations": [{"from": role, "value": text} for role, text in turns]}
+
+
+def openai(record_id, *turns):
+    return {"id": record_id, "messages": [{"role": role, "content": text} for role, text in turns]}
+
+
+def qa(record_id, question="hi", answer="hello"):
+    return sharegpt(record_id, ("human", question), ("gpt", answer))
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+    return path
+
+
+def write_json(path, records):
+    path.write_text(json.dumps(records, ensure_ascii=False, indent=1))
+    return path
+
+
+def load(source, **overrides):
+    return load_conversations(DataConfig(source=str(source), **overrides))
+
+
+def test_sharegpt_json_maps_roles(tmp_path):
+    record = sharegpt(
+        "a", ("system", "be nice"), ("human", "hi"), ("gpt", "hello"), ("Human", "bye"), ("bard", "ok")
+    )
+    loaded = load(write_json(tmp_path / "d.json", [record]))
+    assert loaded.conversations == [
+        sources.Conversation(
+            "a",
+            [
+                {"role": "system", "content": "be nice"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "ok"},
+            ],
+        )
+    ]
+    assert loaded.skipped == collections.Counter() and loaded.problems == []
+
+
+def test_openai_jsonl(tmp_path):
+    records = [openai(1, ("user", "q1"), ("assistant", "a1")), openai(2, ("user", "q2"), ("assistant", "a2"))]
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", records), format="openai")
+    assert [c.id for c in loaded.conversations] == ["1", "2"]
+    assert loaded.conversations[1].messages[1] == {"role": "assistant", "content": "a2"}
+
+
+def test_fields_format(tmp_path):
+    record = {"uid": "x", "dialog": [{"speaker": "USER", "text": "q"}, {"speaker": "bot", "text": "a"}]}
+    role_map = {"user": "user", "bot": "assistant"}
+    cfg = DataConfig(
+        source=str(write_jsonl(tmp_path / "d.jsonl", [record])),
+        format="fields",
+        messages_field="dialog",
+        role_field="speaker",
+        content_field="text",
+        id_field="uid",
+        role_map=role_map,
+    )
+    loaded = load_conversations(cfg)
+    assert loaded.conversations[0].id == "x"
+    assert [m["role"] for m in loaded.conversations[0].messages] == ["user", "assistant"]
+
+
+def test_parquet_with_mixed_formats(tmp_path):
+    # One Arrow schema holds both kinds, so each row has both columns and one of them is None.
+    rows = [{**qa("s"), "messages": None}, openai("o", ("user", "q"), ("assistant", "a"))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    loaded = load(tmp_path / "d.parquet")
+    assert [c.id for c in loaded.conversations] == ["s", "o"]
+    assert loaded.conversations[1].messages[1]["content"] == "a"
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
+    datasets.Dataset.from_list([qa("a"), qa("b")]).save_to_disk(str(tmp_path / "ds"))
+    assert [c.id for c in load(tmp_path / "ds").conversations] == ["a", "b"]
+
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list([qa("t")]), "test": datasets.Dataset.from_list([qa("e")])}
+    )
+    splits.save_to_disk(str(tmp_path / "dd"))
+    assert [c.id for c in load(tmp_path / "dd", split="test").conversations] == ["e"]
+    with pytest.raises(ValueError, match="validation"):
+        load(tmp_path / "dd", split="validation")
+
+
+def test_directory_and_glob_read_files_in_sorted_order(tmp_path):
+    write_jsonl(tmp_path / "b.jsonl", [qa("b")])
+    write_json(tmp_path / "a.json", [qa("a")])
+    (tmp_path / "README.md").write_text("not data")
+    assert [c.id for c in load(tmp_path).conversations] == ["a", "b"]
+    assert [c.id for c in load(tmp_path / "*.jsonl").conversations] == ["b"]
+
+
+def test_missing_path_raises_naming_the_source(tmp_path):
+    for source in [tmp_path / "nope.jsonl", tmp_path / "*.parquet", tmp_path]:
+        with pytest.raises(ValueError, match=re.escape(str(source))):
+            load(source)
+
+
+def test_hub_name_goes_to_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        return datasets.Dataset.from_list([qa("hub")])
+
+    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
+    loaded = load("someone/sharegpt-clean", split="train_sft")
+    assert calls == [("someone/sharegpt-clean", "train_sft")]
+    assert loaded.conversations[0].id == "hub"
+
+
+@pytest.mark.parametrize(
+    "bad_record, reason",
+    [
+        (["not", "a", "dict"], "malformed_record"),
+        ({"id": "x", "text": "no turns field"}, "malformed_record"),
+        ({"id": "x", "conversations": "a string"}, "malformed_record"),
+        (sharegpt("x"), "empty_conversation"),
+        (sharegpt("x", ("human", "q"), ("robot", "a")), "unknown_role"),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": 7}]},
+            "malformed_record",
+        ),
+        ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt"}]}, "malformed_record"),
+        (sharegpt("x", ("human", "q"), ("gpt", "  \n")), "empty_assistant_turn"),
+        (sharegpt("x", ("human", "q"), ("human", "q"), ("gpt", "a")), "not_alternating"),
+        (sharegpt("x", ("human", "q"), ("gpt", "a"), ("gpt", "a")), "not_alternating"),
+        (sharegpt("x", ("gpt", "a"), ("human", "q")), "not_alternating"),
+        (sharegpt("x", ("human", "q"), ("system", "s"), ("gpt", "a")), "not_alternating"),
+        (sharegpt("x", ("human", "q")), "no_assistant_turn"),
+        (sharegpt("x", ("system", "s")), "no_assistant_turn"),
+    ],
+)
+def test_skip_reasons(tmp_path, bad_record, reason):
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", [qa("good"), bad_record]))
+    assert [c.id for c in loaded.conversations] == ["good"]
+    assert loaded.skipped == collections.Counter({reason: 1})
+
+
+def test_trailing_user_turn_is_dropped_not_skipped(tmp_path):
+    record = sharegpt("x", ("human", "q"), ("gpt", "a"), ("human", "unanswered"))
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", [record]))
+    assert [m["content"] for m in loaded.conversations[0].messages] == ["q", "a"]
+    assert not loaded.skipped
+
+
+def test_system_prompt_added_only_where_missing(tmp_path):
+    records = [qa("plain"), sharegpt("own", ("system", "mine"), ("human", "q"), ("gpt", "a"))]
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", records), system_prompt="default")
+    assert loaded.conversations[0].messages[0] == {"role": "system", "content": "default"}
+    assert loaded.conversations[1].messages[0] == {"role": "system", "content": "mine"}
+
+
+def test_num_samples_keeps_first_valid(tmp_path):
+    records = [qa("a"), sharegpt("bad"), qa("b"), qa("c")]
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", records), num_samples=2)
+    assert [c.id for c in loaded.conversations] == ["a", "b"]
+    with pytest.raises(ValueError, match="num_samples"):
+        load(tmp_path / "d.jsonl", num_samples=0)
+
+
+def test_ids_from_field_else_stable_hash(tmp_path):
+    no_id = {"conversations": qa("ignored")["conversations"]}
+    path = write_jsonl(tmp_path / "d.jsonl", [qa(42), no_id, {**qa("ignored", answer="other"), "id": None}])
+    first, again = load(path), load(path)
+    ids = [c.id for c in first.conversations]
+    assert ids[0] == "42"
+    assert re.fullmatch(r"[0-9a-f]{16}", ids[1]) and re.fullmatch(r"[0-9a-f]{16}", ids[2])
+    assert ids[1] != ids[2]
+    assert ids == [c.id for c in again.conversations]
+    assert [c.id for c in load(path, id_field=None).conversations][0] == ids[1]  # same messages, same hash
+
+
+def test_duplicate_ids_made_unique_in_order(tmp_path):
+    records = [qa("a", answer="1"), qa("a#2", answer="2"), qa("a", answer="3"), qa("a", answer="4")]
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", records))
+    assert [c.id for c in loaded.conversations] == ["a", "a#2", "a#3", "a#4"]
+    assert not loaded.skipped
+
+
+def byte_start_of_record(data: bytes, record_index: int) -> int:
+    """Byte where element `record_index` of an `indent=1` array starts (each element opens with '\\n {')."""
+    start = -1
+    for _ in range(record_index + 1):
+        start = data.index(b"\n {", start + 1) + 2
+    return start
+
+
+def test_truncated_json_array_keeps_complete_records(tmp_path):
+    path = write_json(tmp_path / "d.json", [qa(i, answer=UNICODE_ANSWER) for i in range(5)])
+    data = path.read_bytes()
+    fourth = byte_start_of_record(data, 3)
+    path.write_bytes(data[: fourth + 20])
+
+    loaded = load(path)
+    assert [c.id for c in loaded.conversations] == ["0", "1", "2"]
+    assert loaded.conversations[2].messages[1]["content"] == UNICODE_ANSWER
+    assert loaded.skipped == collections.Counter({"corrupt_json": 1})
+    (problem,) = loaded.problems
+    match = re.search(r"truncated/corrupt JSON at byte (\d+) after 3 complete records", problem)
+    assert problem.startswith(str(path)) and match
+    assert fourth <= int(match.group(1)) <= fourth + 20  # a byte offset: the text before it is multi-byte
+
+
+def test_json_array_cut_between_records_and_mid_character(tmp_path):
+    path = write_json(tmp_path / "d.json", [qa(i, answer=UNICODE_ANSWER) for i in range(3)])
+    data = path.read_bytes()
+    path.write_bytes(data[: byte_start_of_record(data, 2) - 3])  # just after "}," of the second record
+    assert [c.id for c in load(path).conversations] == ["0", "1"]
+
+    second = byte_start_of_record(data, 1)
+    cut_in_character = data.index("世".encode(), second) + 1  # inside a 3-byte UTF-8 character
+    path.write_bytes(data[:cut_in_character])
+    loaded = load(path)
+    assert [c.id for c in loaded.conversations] == ["0"]
+    offset = int(re.search(r"at byte (\d+) after 1 complete records", loaded.problems[0]).group(1))
+    assert second <= offset < cut_in_character
+
+
+def test_corrupt_element_in_json_array_keeps_earlier_records(tmp_path):
+    path = write_json(tmp_path / "d.json", [qa(i) for i in range(4)])
+    data = path.read_bytes()
+    third = byte_start_of_record(data, 2)
+    path.write_bytes(data[:third] + b"{oops" + data[third + 1 :])
+    loaded = load(path)
+    assert [c.id for c in loaded.conversations] == ["0", "1"]
+    assert "after 2 complete records" in loaded.problems[0]
+
+
+def test_corrupt_jsonl_lines_are_skipped_and_reported(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        json.dumps(qa("a")),
+        '{"id": "b", "conversations": [',
+        json.dumps(qa("c")),
+        json.dumps(qa("d"))[:30],
+    ]
+    path.write_text("\n".join(lines))
+    loaded = load(path)
+    assert [c.id for c in loaded.conversations] == ["a", "c"]
+    assert loaded.skipped == collections.Counter({"corrupt_json": 2})
+    assert [p.split(": ")[:2] for p in loaded.problems] == [[str(path), "line 2"], [str(path), "line 4"]]
+
+
+def test_strict_raises_instead_of_skipping(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(qa("a")) + "\n{broken\n")
+    with pytest.raises(ValueError, match=r"d\.jsonl: line 2"):
+        load(path, strict=True)
+
+    truncated = tmp_path / "t.json"
+    truncated.write_text(json.dumps([qa("a"), qa("b")])[:-20])
+    with pytest.raises(ValueError, match=r"t\.json: truncated/corrupt JSON at byte \d+ after 1 complete"):
+        load(truncated, strict=True)
+
+
+def test_json_object_wrapping_a_list_and_jsonl_named_json(tmp_path):
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"version": 2, "data": [qa("a"), qa("b")]}))
+    assert [c.id for c in load(wrapped).conversations] == ["a", "b"]
+
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps(qa("only")))
+    assert [c.id for c in load(single).conversations] == ["only"]
+
+    lines = write_jsonl(tmp_path / "lines.json", [qa("x"), qa("y")])
+    assert [c.id for c in load(lines).conversations] == ["x", "y"]
+
+
+def test_fingerprint_tracks_content_and_order(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [qa("a"), qa("b")])
+    reference = load(path).fingerprint
+    assert re.fullmatch(r"[0-9a-f]{64}", reference)
+    assert load(path).fingerprint == reference
+    write_jsonl(path, [qa("a"), qa("b", answer="hello!")])
+    assert load(path).fingerprint != reference
+    write_jsonl(path, [qa("b"), qa("a")])
+    assert load(path).fingerprint != reference
+
+
+def test_works_with_omegaconf_structured_config(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [sharegpt("a", ("Human", "q"), ("ChatGPT", "a"))])
+    cfg = OmegaConf.structured(DataConfig(source=str(path), system_prompt="sys", num_samples=5))
+    loaded = load_conversations(cfg)
+    assert [m["role"] for m in loaded.conversations[0].messages] == ["system", "user", "assistant"]
+
+
+def test_no_usable_conversations_raises_with_counts(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [sharegpt("x"), sharegpt("y", ("gpt", "a"))])
+    with pytest.raises(ValueError, match=r"d\.jsonl.*empty_conversation': 1.*not_alternating': 1"):
+        load(path)
+
+
+def test_bad_config_values_raise():
+    with pytest.raises(ValueError, match="format"):
+        load("x.jsonl", format="alpaca")
+    with pytest.raises(ValueError, match="messages_field"):
+        load("x.jsonl", format="fields")
+    with pytest.raises(ValueError, match="role_map"):
+        load("x.jsonl", role_map={"human": "customer"})
