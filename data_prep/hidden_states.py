@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def bytes_per_token(num_aux: int, hidden_size: int) -> int:
-    """Disk per cached token: bf16 aux and final states, int32 id, uint8 mask."""
-    return 2 * (num_aux + 1) * hidden_size + 4 + 1
+    """Disk per cached token, at most: bf16 aux and final states (ids and mask fit in the aux rows a shard
+    leaves out, see eagle/cache.py)."""
+    return 2 * (num_aux + 1) * hidden_size
 
 
 def plan_shards(lengths: list[int], token_bytes: int, max_shard_bytes: int) -> list[list[int]]:

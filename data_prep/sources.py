@@ -380,7 +380,8 @@ def extract_turns(record: Any, cfg: DataConfig) -> list[tuple[Any, Any]]:
 def normalize_messages(
     turns: list[tuple[Any, Any]], role_map: dict[str, str], system_prompt: str | None
 ) -> list[dict[str, str]]:
-    """Map roles, check `[system] user assistant (user assistant)*`, and drop an unanswered last question."""
+    """Map roles, check `[system] user assistant (user assistant)*`, drop orphan leading answers and an
+    unanswered last question."""
     messages = []
     for source_role, content in turns:
         if not isinstance(source_role, str):
@@ -392,7 +393,15 @@ def normalize_messages(
             raise SkippedRecord("malformed_record")
         messages.append({"role": role, "content": content})
 
-    after_system = messages[1:] if messages[0]["role"] == "system" else messages
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    after_system = messages[len(system) :]
+    # ShareGPT dumps often begin with an answer whose question was cut off (about a third of ShareGPT
+    # V3): that answer has no prompt to condition on, so it is dropped and the rest is kept.
+    while after_system and after_system[0]["role"] == "assistant":
+        after_system = after_system[1:]
+    messages = system + after_system
+    if not after_system:
+        raise SkippedRecord("no_assistant_turn")
     for index, message in enumerate(after_system):
         if message["role"] != ("user" if index % 2 == 0 else "assistant"):
             raise SkippedRecord("not_alternating")

@@ -7,13 +7,18 @@ Layout of `<run_dir>/cache/`:
     {train,eval}/shard-00000.safetensors
     {train,eval}/shard-00000.json      sidecar: checksum and counts, written after the shard
 
-A shard holds the samples' tokens back to back (N tokens in all):
-    input_ids      [N] int32
-    loss_mask      [N] uint8          1 = assistant token (trained on)
-    aux_hidden     [N, n_aux, H] bf16 residual stream entering each aux layer (vLLM ids, ascending)
+A shard holds its samples back to back (n samples, N tokens in all):
+    input_ids      [N] uint16 (int32 when an id is >= 65536)
+    loss_mask_bits [ceil(N/8)] uint8  the loss mask packed 8 per byte, little-endian bit order;
+                                      1 = assistant token (trained on)
+    aux_hidden     [N - n, n_aux, H] bf16  residual stream entering each aux layer (vLLM ids, ascending),
+                                      for every position but each sample's last (no next token to pair
+                                      it with in training, so it is never read)
     final_hidden   [N, H] bf16        the target's last hidden state after its final norm
     sample_offsets [n+1] int64        sample i is tokens [offsets[i], offsets[i+1])
-and the format name and sample ids in its metadata (one JSON string under the key `eagle`). Files are memory-mapped: reading a sample reads only its rows.
+and the format name and sample ids in its metadata (one JSON string under the key `eagle`). Packing ids
+and the mask and dropping the never-used rows keeps a shard within 2 x (n_aux + 1) x H bytes per token.
+Files are memory-mapped: reading a sample reads only its rows.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -56,10 +62,12 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
     sidecar is never taken for complete, whenever the process dies.
     """
     lengths = torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64)
+    input_ids = torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int64) for s in samples])
+    loss_mask = np.concatenate([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples])
     tensors = {
-        "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]),
-        "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]),
-        "aux_hidden": torch.cat([s["aux_hidden"].to(HIDDEN_DTYPE) for s in samples]),
+        "input_ids": input_ids.to(torch.uint16 if int(input_ids.max()) < 2**16 else torch.int32),
+        "loss_mask_bits": torch.from_numpy(np.packbits(loss_mask, bitorder="little")),
+        "aux_hidden": torch.cat([s["aux_hidden"][:-1].to(HIDDEN_DTYPE) for s in samples]),
         "final_hidden": torch.cat([s["final_hidden"].to(HIDDEN_DTYPE) for s in samples]),
         "sample_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
@@ -72,7 +80,7 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
         "sha256": file_sha256(tmp),
         "num_samples": len(samples),
         "num_tokens": int(lengths.sum()),
-        "num_loss_tokens": int(tensors["loss_mask"].sum()),
+        "num_loss_tokens": int(loss_mask.sum()),
         "num_bytes": tmp.stat().st_size,
     }
     os.replace(tmp, path)
@@ -110,7 +118,7 @@ class CacheSplit:
         self._handles: dict[int, object] = {}
         self.ids: list[str] = []
         self.lengths: list[int] = []
-        self._where: list[tuple[int, int, int]] = []  # sample -> (shard, first token, end token)
+        self._where: list[tuple[int, int, int, int]] = []  # sample -> (shard, first token, end token, first aux row)
         for shard_index, info in enumerate(self.shards):
             path = self.split_dir / info["file"]
             if not path.exists():
@@ -123,8 +131,8 @@ class CacheSplit:
             handle = self._handle(shard_index)
             offsets = handle.get_tensor("sample_offsets").tolist()
             self.ids += json.loads(handle.metadata()["eagle"])["sample_ids"]
-            for start, end in zip(offsets[:-1], offsets[1:]):
-                self._where.append((shard_index, start, end))
+            for i, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+                self._where.append((shard_index, start, end, start - i))
                 self.lengths.append(end - start)
 
     def _handle(self, shard_index: int):
@@ -141,11 +149,16 @@ class CacheSplit:
         return len(self._where)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        shard_index, start, end = self._where[index]
+        """One sample: input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux, H] (the last row,
+        never used in training, is zeros), final_hidden [T, H]."""
+        shard_index, start, end, aux_start = self._where[index]
         handle = self._handle(shard_index)
+        bits = handle.get_slice("loss_mask_bits")[start // 8 : (end + 7) // 8].numpy()
+        loss_mask = np.unpackbits(bits, bitorder="little")[start % 8 : start % 8 + end - start]
+        aux = handle.get_slice("aux_hidden")[aux_start : aux_start + end - start - 1]
         return {
             "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),
-            "loss_mask": handle.get_slice("loss_mask")[start:end].to(torch.bool),
-            "aux_hidden": handle.get_slice("aux_hidden")[start:end],
+            "loss_mask": torch.from_numpy(loss_mask.astype(bool)),
+            "aux_hidden": torch.cat([aux, aux.new_zeros(1, *aux.shape[1:])]),
             "final_hidden": handle.get_slice("final_hidden")[start:end],
         }

@@ -155,7 +155,7 @@ def test_hub_name_goes_to_load_dataset(monkeypatch):
         (sharegpt("x", ("human", "q"), ("gpt", "  \n")), "empty_assistant_turn"),
         (sharegpt("x", ("human", "q"), ("human", "q"), ("gpt", "a")), "not_alternating"),
         (sharegpt("x", ("human", "q"), ("gpt", "a"), ("gpt", "a")), "not_alternating"),
-        (sharegpt("x", ("gpt", "a"), ("human", "q")), "not_alternating"),
+        (sharegpt("x", ("gpt", "a"), ("human", "q")), "no_assistant_turn"),  # orphan answer dropped first
         (sharegpt("x", ("human", "q"), ("system", "s"), ("gpt", "a")), "not_alternating"),
         (sharegpt("x", ("human", "q")), "no_assistant_turn"),
         (sharegpt("x", ("system", "s")), "no_assistant_turn"),
@@ -171,6 +171,13 @@ def test_trailing_user_turn_is_dropped_not_skipped(tmp_path):
     record = sharegpt("x", ("human", "q"), ("gpt", "a"), ("human", "unanswered"))
     loaded = load(write_jsonl(tmp_path / "d.jsonl", [record]))
     assert [m["content"] for m in loaded.conversations[0].messages] == ["q", "a"]
+    assert not loaded.skipped
+
+
+def test_leading_answer_without_its_question_is_dropped_not_skipped(tmp_path):
+    record = sharegpt("x", ("system", "s"), ("gpt", "orphan"), ("human", "q"), ("gpt", "a"))
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", [record]))
+    assert [m["content"] for m in loaded.conversations[0].messages] == ["s", "q", "a"]
     assert not loaded.skipped
 
 
@@ -317,7 +324,7 @@ def test_works_with_omegaconf_structured_config(tmp_path):
 
 def test_no_usable_conversations_raises_with_counts(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [sharegpt("x"), sharegpt("y", ("gpt", "a"))])
-    with pytest.raises(ValueError, match=r"d\.jsonl.*empty_conversation': 1.*not_alternating': 1"):
+    with pytest.raises(ValueError, match=r"d\.jsonl.*empty_conversation': 1.*no_assistant_turn': 1"):
         load(path)
 
 
