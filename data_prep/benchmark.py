@@ -42,7 +42,9 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-samples", type=int, default=None, help="conversations to use (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over the batches, per path")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")

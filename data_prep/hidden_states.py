@@ -121,15 +121,23 @@ def compute_shard(model, samples, indices, aux_layer_ids, max_tokens_per_batch, 
                 "id": samples[i].id,
                 "input_ids": samples[i].input_ids,
                 "loss_mask": samples[i].loss_mask,
-                "aux_hidden": aux_BTNH[row, :n].clone(),
-                "final_hidden": final_BTH[row, :n].clone(),
+                "aux_hidden": aux_BTNH[row, :n],  # views: write_shard concatenates them into one copy
+                "final_hidden": final_BTH[row, :n],
             }
         on_tokens(sum(lengths[i] for i in batch))
     return [results[i] for i in indices]
 
 
 def cache_split(
-    model, samples, split_dir: Path, shard_plan, aux_layer_ids, max_tokens_per_batch, pad_id, accelerator, desc
+    model,
+    samples,
+    split_dir: Path,
+    shard_plan,
+    aux_layer_ids,
+    max_tokens_per_batch,
+    pad_id,
+    accelerator,
+    desc,
 ) -> dict:
     """Compute and write this rank's shards of one split; finished shards are verified and kept."""
     split_dir.mkdir(parents=True, exist_ok=True)
@@ -143,16 +151,31 @@ def cache_split(
                 log.warning("%s: incomplete or corrupt, recomputing it", shard_path(split_dir, s))
             todo.append(s)
     num_tokens = sum(len(samples[i].input_ids) for s in todo for i in shard_plan[s])
-    stats = {"num_shards_reused": len(mine) - len(todo), "num_shards_written": len(todo), "num_tokens": num_tokens}
+    stats = {
+        "num_shards_reused": len(mine) - len(todo),
+        "num_shards_written": len(todo),
+        "num_tokens": num_tokens,
+    }
     if not todo:
         return stats
     bar = tqdm(
-        total=num_tokens, desc=desc, unit="tok", unit_scale=True, disable=not accelerator.is_local_main_process
+        total=num_tokens,
+        desc=desc,
+        unit="tok",
+        unit_scale=True,
+        disable=not accelerator.is_local_main_process,
     )
     start = time.perf_counter()
     for s in todo:
         shard = compute_shard(
-            model, samples, shard_plan[s], aux_layer_ids, max_tokens_per_batch, pad_id, accelerator.device, bar.update
+            model,
+            samples,
+            shard_plan[s],
+            aux_layer_ids,
+            max_tokens_per_batch,
+            pad_id,
+            accelerator.device,
+            bar.update,
         )
         write_shard(shard_path(split_dir, s), shard)
     bar.close()

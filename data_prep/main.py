@@ -29,7 +29,7 @@ from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards  #
 from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: E402
 from data_prep.render import render_all  # noqa: E402
 from data_prep.sources import load_conversations  # noqa: E402
-from eagle.cache import read_complete_shard_info, shard_path  # noqa: E402
+from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
 from eagle.config import register_configs  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
 from eagle.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity, write_json_atomic  # noqa: E402
@@ -114,7 +114,12 @@ def run(cfg: DictConfig) -> dict:
     target_config = load_config(cfg.target)
     aux_layer_ids = resolve_aux_layer_ids(cfg.cache.aux_layer_ids, target_config.num_hidden_layers)
     loaded = load_conversations(cfg.data)
-    log.info("%d conversations from %s; skipped %s", len(loaded.conversations), cfg.data.source, dict(loaded.skipped))
+    log.info(
+        "%d conversations from %s; skipped %s",
+        len(loaded.conversations),
+        cfg.data.source,
+        dict(loaded.skipped),
+    )
 
     identity = None
     if accelerator.is_main_process:
@@ -123,7 +128,9 @@ def run(cfg: DictConfig) -> dict:
             cfg, weights_hash(tdir), target_config, aux_layer_ids, tokenizer, loaded.fingerprint
         )
         check_cache_dir(cache_dir, identity)
-        write_json_atomic(cache_dir / MANIFEST_NAME, {"format": FORMAT_VERSION, "complete": False, **identity})
+        write_json_atomic(
+            cache_dir / MANIFEST_NAME, {"format": FORMAT_VERSION, "complete": False, **identity}
+        )
     accelerator.wait_for_everyone()
 
     conversations = loaded.conversations
@@ -150,7 +157,9 @@ def run(cfg: DictConfig) -> dict:
 
     if accelerator.is_main_process:
         counts = count_tokens(
-            [s.input_ids for s in samples["train"]], [s.loss_mask for s in samples["train"]], target_config.vocab_size
+            [s.input_ids for s in samples["train"]],
+            [s.loss_mask for s in samples["train"]],
+            target_config.vocab_size,
         )
         vocab = build_vocab_map(counts, cfg.cache.draft_vocab_size)
         save_vocab_map(vocab, cache_dir / "vocab.safetensors")
@@ -158,12 +167,14 @@ def run(cfg: DictConfig) -> dict:
 
     token_bytes = bytes_per_token(len(aux_layer_ids), target_config.hidden_size)
     plans = {
-        split: plan_shards([len(s.input_ids) for s in samples[split]], token_bytes, cfg.cache.max_shard_mb * 2**20)
+        split: plan_shards(
+            [len(s.input_ids) for s in samples[split]], token_bytes, cfg.cache.max_shard_mb * 2**20
+        )
         for split in SPLITS
     }
     num_tokens = {split: sum(len(s.input_ids) for s in samples[split]) for split in SPLITS}
     log.info(
-        "caching %d train + %d eval samples, %d tokens in %d shards: about %.2f GB on disk (%d bytes/token)",
+        "caching %d train + %d eval samples, %d tokens in %d shards: at most %.2f GB on disk (%d bytes/token)",
         len(samples["train"]),
         len(samples["eval"]),
         sum(num_tokens.values()),
@@ -206,10 +217,13 @@ def run(cfg: DictConfig) -> dict:
             "skipped": dict(sorted(skipped.items())),
             "source_problems": loaded.problems,
             "regeneration_counts": regen_counts,
-            "bytes_per_token": token_bytes,
-            "splits": {split: {"shards": collect_shards(cache_dir / split, len(plans[split]))} for split in SPLITS},
+            "splits": {
+                split: {"shards": collect_shards(cache_dir / split, len(plans[split]))} for split in SPLITS
+            },
             "last_run": {"num_processes": accelerator.num_processes, **{s: run_stats[s] for s in SPLITS}},
         }
+        shards = [info for split in SPLITS for info in manifest["splits"][split]["shards"]]
+        manifest["bytes_per_token"] = round(sum(i["num_bytes"] for i in shards) / sum(num_tokens.values()), 1)
         write_json_atomic(cache_dir / MANIFEST_NAME, manifest)
         log.info("cache complete: %s (%s)", cache_dir, {s: manifest["num_samples"][s] for s in SPLITS})
     accelerator.wait_for_everyone()
@@ -217,10 +231,10 @@ def run(cfg: DictConfig) -> dict:
 
 
 def collect_shards(split_dir: Path, num_shards: int) -> list[dict]:
-    """Every shard's sidecar (checksum and counts); each must be complete by now."""
+    """Every shard's sidecar (checksum and counts); each was verified or written by this run."""
     infos = []
     for index in range(num_shards):
-        info = read_complete_shard_info(shard_path(split_dir, index))
+        info = read_shard_sidecar(shard_path(split_dir, index))
         if info is None:
             raise RuntimeError(f"{shard_path(split_dir, index)} is missing or corrupt after caching")
         infos.append(info)

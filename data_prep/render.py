@@ -30,10 +30,14 @@ class RenderedSample:
 
 
 def _template(tokenizer, messages, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
-def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict]
+) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant answer in it."""
     full = _template(tokenizer, messages)
     spans = []
@@ -68,7 +72,9 @@ def _search_answer(full: str, content: str, through: str, before: str, cursor: i
     return start, end
 
 
-def render_conversation(tokenizer: PreTrainedTokenizerBase, conv_id: str, messages: list[dict]) -> RenderedSample:
+def render_conversation(
+    tokenizer: PreTrainedTokenizerBase, conv_id: str, messages: list[dict]
+) -> RenderedSample:
     """Token ids of the chat-templated conversation and its assistant-only loss mask (untruncated)."""
     text, spans = assistant_char_spans(tokenizer, messages)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -95,7 +101,9 @@ def render_all(
     for conv in conversations:
         try:
             sample = render_conversation(tokenizer, conv.id, conv.messages)
-        except Exception as error:  # a template may raise on content it rejects; one record must not stop the run
+        except (
+            Exception
+        ) as error:  # a template may raise on content it rejects; one record must not stop the run
             log.warning("conversation %s: cannot render with the chat template: %s", conv.id, error)
             skipped["template_error"] += 1
             continue

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from eagle.manifest import read_manifest, write_json_atomic
 
@@ -73,31 +73,37 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
     }
     # One metadata key: safetensors writes several in hash-map order, which differs from run to run.
     metadata = {"eagle": json.dumps({"format": SHARD_FORMAT, "sample_ids": [s["id"] for s in samples]})}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
     info = {
         "file": path.name,
-        "sha256": file_sha256(tmp),
+        "sha256": hashlib.sha256(data).hexdigest(),
         "num_samples": len(samples),
         "num_tokens": int(lengths.sum()),
         "num_loss_tokens": int(loss_mask.sum()),
-        "num_bytes": tmp.stat().st_size,
+        "num_bytes": len(data),
     }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
     write_json_atomic(sidecar_path(path), info)
     return info
 
 
-def read_complete_shard_info(path: Path) -> dict | None:
-    """The sidecar of a finished, intact shard; None when the shard is missing, unfinished or corrupt."""
+def read_shard_sidecar(path: Path) -> dict | None:
+    """The sidecar (checksum and counts) of a shard, or None when either file is missing or unreadable."""
     sidecar = sidecar_path(path)
     if not (path.exists() and sidecar.exists()):
         return None
     try:
-        info = json.loads(sidecar.read_text())
+        return json.loads(sidecar.read_text())
     except json.JSONDecodeError:
         return None
-    return info if file_sha256(path) == info.get("sha256") else None
+
+
+def read_complete_shard_info(path: Path) -> dict | None:
+    """The sidecar of a finished, intact shard (checksum verified); None when missing, unfinished or corrupt."""
+    info = read_shard_sidecar(path)
+    return info if info is not None and file_sha256(path) == info.get("sha256") else None
 
 
 class CacheSplit:
@@ -118,7 +124,9 @@ class CacheSplit:
         self._handles: dict[int, object] = {}
         self.ids: list[str] = []
         self.lengths: list[int] = []
-        self._where: list[tuple[int, int, int, int]] = []  # sample -> (shard, first token, end token, first aux row)
+        self._where: list[
+            tuple[int, int, int, int]
+        ] = []  # sample -> (shard, first token, end token, first aux row)
         for shard_index, info in enumerate(self.shards):
             path = self.split_dir / info["file"]
             if not path.exists():

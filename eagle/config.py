@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -30,10 +30,10 @@ DEFAULT_ROLE_MAP = {
 @dataclass
 class TargetConfig:
     path: str = MISSING  # HF hub id or local directory of the target model (weights + tokenizer)
-    revision: Optional[str] = None  # hub revision (branch, tag or commit); ignored for local directories
+    revision: str | None = None  # hub revision (branch, tag or commit); ignored for local directories
     dtype: str = "bfloat16"  # dtype the target runs in while caching: bfloat16 | float16 | float32
-    chat_template: Optional[str] = None  # Jinja chat template (or a path to one) for tokenizers without one
-    build: Optional[str] = None  # build an embedded target at `path` when it is not there yet: smoke | smollm2
+    chat_template: str | None = None  # Jinja chat template (or a path to one) for tokenizers without one
+    build: str | None = None  # build an embedded target at `path` when it is not there yet: smoke | smollm2
 
 
 @dataclass
@@ -41,13 +41,17 @@ class DataConfig:
     source: str = MISSING  # HF dataset name, a local `save_to_disk` directory, or local .json/.jsonl/.parquet file(s) (globs ok)
     split: str = "train"  # split to read from HF datasets sources
     format: str = "auto"  # record format: auto | sharegpt | openai | fields
-    messages_field: Optional[str] = None  # field holding the turns (auto: `conversations` or `messages`)
+    messages_field: str | None = None  # field holding the turns (auto: `conversations` or `messages`)
     role_field: str = "role"  # per-turn role key for format=fields (sharegpt uses `from`, openai `role`)
-    content_field: str = "content"  # per-turn text key for format=fields (sharegpt uses `value`, openai `content`)
-    id_field: Optional[str] = "id"  # record id key; records without one get a hash of their content
-    role_map: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MAP))  # source role -> system|user|assistant
-    system_prompt: Optional[str] = None  # system message added to conversations that have none
-    num_samples: Optional[int] = None  # use only the first N valid conversations (None: all)
+    content_field: str = (
+        "content"  # per-turn text key for format=fields (sharegpt uses `value`, openai `content`)
+    )
+    id_field: str | None = "id"  # record id key; records without one get a hash of their content
+    role_map: dict[str, str] = field(
+        default_factory=lambda: dict(DEFAULT_ROLE_MAP)
+    )  # source role -> system|user|assistant
+    system_prompt: str | None = None  # system message added to conversations that have none
+    num_samples: int | None = None  # use only the first N valid conversations (None: all)
     eval_fraction: float = 0.05  # fraction held out for evaluation, chosen by a hash of the conversation id
     strict: bool = False  # raise on a corrupt or truncated file instead of using its complete records
 
@@ -55,7 +59,9 @@ class DataConfig:
 @dataclass
 class RenderConfig:
     max_length: int = 2048  # longest tokenized conversation kept
-    overlong: str = "truncate"  # what to do with longer ones: truncate (keep the first max_length tokens) | drop
+    overlong: str = (
+        "truncate"  # what to do with longer ones: truncate (keep the first max_length tokens) | drop
+    )
 
 
 @dataclass
@@ -66,16 +72,20 @@ class RegenConfig:
     max_new_tokens: int = 512  # cap on each regenerated turn
     seed: int = 0  # sampling seed (vLLM per-request seeds derive from it)
     batch_size: int = 256  # conversations sent to vLLM per call
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra `vllm.LLM(...)` arguments (e.g. enforce_eager)
+    vllm_kwargs: dict[str, Any] = field(
+        default_factory=dict
+    )  # extra `vllm.LLM(...)` arguments (e.g. enforce_eager)
 
 
 @dataclass
 class CacheConfig:
-    aux_layer_ids: Optional[list[int]] = None  # EAGLE-3 aux layers, vLLM ids; None: (2, L//2, L-3); [] for EAGLE-1 only
+    aux_layer_ids: list[int] | None = (
+        None  # EAGLE-3 aux layers, vLLM ids; None: (2, L//2, L-3); [] for EAGLE-1 only
+    )
     draft_vocab_size: int = 32000  # draft vocab kept by frequency; >= target vocab means no pruning
     max_tokens_per_batch: int = 8192  # padded tokens per target forward
     max_shard_mb: int = 1024  # shard size cap; shards never depend on the number of processes
-    num_threads: Optional[int] = None  # torch CPU threads per process (None: torch's default)
+    num_threads: int | None = None  # torch CPU threads per process (None: torch's default)
 
 
 @dataclass

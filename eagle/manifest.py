@@ -41,5 +41,7 @@ def check_identity(found: dict, expected: dict, where: Path, hint: str = "") -> 
         lines = [f"  {key}: found {found[key]!r}, this run has {expected[key]!r}" for key in differing]
         lines += [f"  {key}: missing from the manifest" for key in missing]
         raise ValueError(
-            f"{where} was made for something else; these fields differ:\n" + "\n".join(lines) + (f"\n{hint}" if hint else "")
+            f"{where} was made for something else; these fields differ:\n"
+            + "\n".join(lines)
+            + (f"\n{hint}" if hint else "")
         )

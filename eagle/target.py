@@ -43,7 +43,9 @@ def load_tokenizer(cfg) -> PreTrainedTokenizerBase:
             "vLLM will serve with."
         )
     if not tokenizer.is_fast:
-        raise ValueError(f"target {cfg.path!r}: a fast tokenizer is needed (character offsets for loss masks)")
+        raise ValueError(
+            f"target {cfg.path!r}: a fast tokenizer is needed (character offsets for loss masks)"
+        )
     return tokenizer
 
 
@@ -63,7 +65,9 @@ def load_model(cfg, device: torch.device | str = "cpu"):
 def weights_hash(directory: Path) -> str:
     """sha256 over config.json and every weight file, in name order: a content hash of the target."""
     digest = hashlib.sha256()
-    files = sorted(p for p in directory.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    files = sorted(
+        p for p in directory.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES)
+    )
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise ValueError(f"{directory}: no weight files (*.safetensors or *.bin)")
     for path in files:
@@ -95,7 +99,9 @@ def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> list[int]:
     ids = [int(i) for i in ids]
     bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
     if bad:
-        raise ValueError(f"cache.aux_layer_ids={ids}: ids {bad} are outside 0..{num_hidden_layers} for this target")
+        raise ValueError(
+            f"cache.aux_layer_ids={ids}: ids {bad} are outside 0..{num_hidden_layers} for this target"
+        )
     if ids != sorted(set(ids)):
         raise ValueError(
             f"cache.aux_layer_ids={ids}: give them ascending and without repeats; vLLM sorts and "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,7 +18,7 @@ from safetensors.torch import load_file, save_file
 @dataclass
 class VocabMap:
     t2d: torch.Tensor  # [V] bool: target id is in the draft vocabulary
-    d2t: Optional[torch.Tensor]  # [V_d] int64 offsets (draft index -> target id - draft index); None: no pruning
+    d2t: torch.Tensor | None  # [V_d] int64 offsets (draft index -> target id - draft index); None: no pruning
     token_counts: torch.Tensor  # [V] int64 frequency of each target id among the loss-masked tokens
 
     @property

@@ -24,15 +24,26 @@ AUX_IDS = [1, 3, 4]  # conf/experiment/smoke.yaml
 
 def shard_hashes(cache_dir: Path) -> dict[str, str]:
     manifest = read_manifest(cache_dir)
-    return {f"{split}/{s['file']}": s["sha256"] for split, v in manifest["splits"].items() for s in v["shards"]}
+    return {
+        f"{split}/{s['file']}": s["sha256"] for split, v in manifest["splits"].items() for s in v["shards"]
+    }
 
 
 def test_smoke_manifest_records_what_the_next_stages_check(smoke_run):
     manifest = read_manifest(smoke_run / "cache")
     assert manifest["complete"] is True
-    assert manifest["num_hidden_layers"] == 6 and manifest["hidden_size"] == 256 and manifest["vocab_size"] == 1024
+    assert (
+        manifest["num_hidden_layers"] == 6
+        and manifest["hidden_size"] == 256
+        and manifest["vocab_size"] == 1024
+    )
     assert manifest["aux_layer_ids"] == AUX_IDS
-    assert len(manifest["target_hash"]) == len(manifest["tokenizer_hash"]) == len(manifest["dataset_fingerprint"]) == 64
+    assert (
+        len(manifest["target_hash"])
+        == len(manifest["tokenizer_hash"])
+        == len(manifest["dataset_fingerprint"])
+        == 64
+    )
     assert manifest["num_samples"]["train"] + manifest["num_samples"]["eval"] == 64
     assert manifest["num_samples"]["eval"] > 0
     assert len(manifest["splits"]["train"]["shards"]) > 2  # the smoke experiment forces several shards
@@ -58,13 +69,16 @@ def test_cached_states_equal_an_independent_hf_forward(smoke_run):
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     conversations = {
-        json.loads(line)["id"]: json.loads(line)["conversations"] for line in (REPO / "eagle/smoke_data/conversations.jsonl").open()
+        json.loads(line)["id"]: json.loads(line)["conversations"]
+        for line in (REPO / "eagle/smoke_data/conversations.jsonl").open()
     }
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     cache = CacheSplit(smoke_run / "cache", "train")
     for index in [0, 5, len(cache) - 1]:
         sample = cache[index]
-        messages = [{"role": roles[t["from"]], "content": t["value"]} for t in conversations[cache.ids[index]]]
+        messages = [
+            {"role": roles[t["from"]], "content": t["value"]} for t in conversations[cache.ids[index]]
+        ]
         rendered = render_conversation(tokenizer, cache.ids[index], messages)
         assert sample["input_ids"].tolist() == rendered.input_ids
         assert sample["loss_mask"].int().tolist() == rendered.loss_mask
@@ -74,7 +88,9 @@ def test_cached_states_equal_an_independent_hf_forward(smoke_run):
             expected = out.hidden_states[layer_id][0, :-1].to(torch.bfloat16)  # the last row is never stored
             torch.testing.assert_close(sample["aux_hidden"][:-1, k], expected, atol=2e-2, rtol=2e-2)
         assert not sample["aux_hidden"][-1].any()
-        torch.testing.assert_close(sample["final_hidden"], out.hidden_states[-1][0].to(torch.bfloat16), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            sample["final_hidden"], out.hidden_states[-1][0].to(torch.bfloat16), atol=2e-2, rtol=2e-2
+        )
         # The teacher for train: the target's logits are recoverable from the cached final state.
         logits = model.lm_head(sample["final_hidden"].float())
         assert (logits.argmax(-1) == out.logits[0].argmax(-1)).float().mean() > 0.97
@@ -146,7 +162,10 @@ def test_rerun_reuses_every_shard(smoke_run, tmp_path):
     "override, field",
     [
         ("cache.aux_layer_ids=[1,2,4]", "aux_layer_ids"),
-        ("target.chat_template='{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}'", "tokenizer_hash"),
+        (
+            "target.chat_template='{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}'",
+            "tokenizer_hash",
+        ),
         ("render.max_length=256", "max_length"),
         ("data.system_prompt=Be brief.", "dataset_fingerprint"),
     ],

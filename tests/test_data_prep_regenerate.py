@@ -30,7 +30,9 @@ def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
         originals[record["id"]] = [t["value"] for t in record["conversations"] if t["from"] == "human"]
     target = AutoModelForCausalLM.from_pretrained(run_dir / "smoke_target", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "smoke_target")
-    eval_conversations = [json.loads(line) for line in (run_dir / "cache" / "eval_conversations.jsonl").open()]
+    eval_conversations = [
+        json.loads(line) for line in (run_dir / "cache" / "eval_conversations.jsonl").open()
+    ]
     assert eval_conversations
     for conv in eval_conversations[:3]:
         messages = conv["messages"]

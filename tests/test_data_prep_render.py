@@ -101,7 +101,9 @@ def test_mask_covers_exactly_the_answers_and_their_end_of_turn(name):
 def test_chatml_default_system_prompt_is_not_trained_on():
     template, specials, bos, eos, _ = TEMPLATES["chatml_smollm2"]
     tokenizer = make_tokenizer(template, specials, bos, eos)
-    sample = render_conversation(tokenizer, "c0", CONVERSATION[1:3])  # no system message: the template adds one
+    sample = render_conversation(
+        tokenizer, "c0", CONVERSATION[1:3]
+    )  # no system message: the template adds one
     assert masked_pieces(tokenizer, sample) == ["Paris.<|im_end|>"]
     assert "SmolLM" in tokenizer.decode(sample.input_ids)
 
