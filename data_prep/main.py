@@ -134,12 +134,12 @@ def run(cfg: DictConfig) -> dict:
     accelerator.wait_for_everyone()
 
     conversations = loaded.conversations
-    regen_counts = None
+    regen_record = None
     if cfg.regen.enabled:
-        conversations, regen_counts = regenerate_rank_share(
+        conversations, regen_record = regenerate_rank_share(
             conversations, str(target_dir(cfg.target)), cfg.regen, cache_dir / "regenerated", accelerator
         )
-        log.info("regenerated answers with the target: %s", regen_counts)
+        log.info("regenerated answers with the target: %s", regen_record)
 
     split_convs = {
         "train": [c for c in conversations if not is_held_out(c.id, cfg.data.eval_fraction)],
@@ -216,7 +216,7 @@ def run(cfg: DictConfig) -> dict:
             "num_truncated": num_truncated,
             "skipped": dict(sorted(skipped.items())),
             "source_problems": loaded.problems,
-            "regeneration_counts": regen_counts,
+            "regeneration_record": regen_record,
             "splits": {
                 split: {"shards": collect_shards(cache_dir / split, len(plans[split]))} for split in SPLITS
             },

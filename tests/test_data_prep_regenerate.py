@@ -21,8 +21,9 @@ def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
     manifest = run(smoke_config(run_dir, "regen.enabled=true", "regen.max_new_tokens=12"))
 
     assert manifest["regeneration"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "seed": 0}
-    counts = manifest["regeneration_counts"]
-    assert sum(v for k, v in counts.items() if k.startswith("finish_")) >= 64  # every answer of every turn
+    record = manifest["regeneration_record"]
+    assert sum(v for k, v in record.items() if k.startswith("finish_")) >= 64  # every answer of every turn
+    assert record["vllm_version"] == "0.32.0" and list(record["files"]) == ["part-00000-of-00001.json"]
 
     originals = {}
     for line in (REPO / "eagle/smoke_data/conversations.jsonl").open():
@@ -56,4 +57,4 @@ def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
     # A rerun reuses the regenerated answers (no second vLLM start) and the finished cache.
     again = run(smoke_config(run_dir, "regen.enabled=true", "regen.max_new_tokens=12"))
     assert again["last_run"]["train"]["num_shards_written"] == 0
-    assert read_manifest(run_dir / "cache")["regeneration_counts"] == counts
+    assert read_manifest(run_dir / "cache")["regeneration_record"] == record
