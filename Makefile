@@ -37,8 +37,8 @@ smoke: setup
 	$(PY) data_prep/main.py experiment=smoke run_dir=$(RUN_DIR)
 
 bench: setup
-	$(PY) data_prep/benchmark.py --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
-	$(PY) data_prep/benchmark.py --num-samples 256 --out runs/bench/data_prep_smollm2.json -- run_dir=runs/bench/smollm2
+	$(PY) data_prep/benchmark.py --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+	$(PY) data_prep/benchmark.py --num-samples 32 --repeats 3 --out runs/bench/data_prep_smollm2.json -- run_dir=runs/bench/smollm2
 
 clean:
 	rm -rf $(VENV) runs
