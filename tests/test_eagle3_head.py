@@ -1,0 +1,266 @@
+"""The EAGLE-3 head: decoder layer parity with explicit matmuls, RoPE parity with HF Llama, vLLM weight names,
+config round trips."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from eagle.eagle3 import Eagle3Config, Eagle3Draft, exported_state_dict
+
+torch.set_num_threads(1)
+
+# DESIGN section 5: what vLLM 0.32 loads for an EAGLE-3 Llama head (embed_tokens optional; not exported).
+VLLM_EAGLE3_WEIGHTS = {
+    "fc.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+}
+
+
+def tiny_config(**overrides) -> Eagle3Config:
+    values = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=40,
+        draft_vocab_size=24,
+        aux_layer_ids=[1, 2, 3],
+        rope_theta=1000.0,
+        max_position_embeddings=128,
+    )
+    return Eagle3Config(**{**values, **overrides})
+
+
+def random_draft(config: Eagle3Config, seed: int = 0) -> Eagle3Draft:
+    """A head with every weight random, norm weights included (ones would hide a missing norm)."""
+    torch.manual_seed(seed)
+    model = Eagle3Draft(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            else:
+                param.normal_(0, 1 / math.sqrt(param.shape[-1]))
+    return model
+
+
+# ---- independent reference: explicit matmuls, one sample, fp32 ----
+
+
+def ref_rms(x, w, eps):
+    return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def ref_rope(x_TD, positions_T, theta):
+    half = x_TD.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / x_TD.shape[-1])
+    angle = positions_T.double()[:, None] * freqs[None, :]
+    cos, sin = angle.cos().float(), angle.sin().float()
+    x1, x2 = x_TD[:, :half], x_TD[:, half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def ref_qkv(sd, cfg, embeds_TH, hidden_TH, positions_T):
+    """Per-head rotated q [N][T, D], k [G][T, D], v [G][T, D] and the residual, written out by hand."""
+    p = "layers.0."
+    e = ref_rms(embeds_TH, sd[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+    hn = ref_rms(hidden_TH, sd[p + "hidden_norm.weight"], cfg.rms_norm_eps)
+    x = torch.cat([e, hn], dim=-1)
+    d = cfg.head_dim
+    q = x @ sd[p + "self_attn.q_proj.weight"].T
+    k = x @ sd[p + "self_attn.k_proj.weight"].T
+    v = x @ sd[p + "self_attn.v_proj.weight"].T
+    qs = [
+        ref_rope(q[:, n * d : (n + 1) * d], positions_T, cfg.rope_theta)
+        for n in range(cfg.num_attention_heads)
+    ]
+    ks = [
+        ref_rope(k[:, g * d : (g + 1) * d], positions_T, cfg.rope_theta)
+        for g in range(cfg.num_key_value_heads)
+    ]
+    vs = [v[:, g * d : (g + 1) * d] for g in range(cfg.num_key_value_heads)]
+    return qs, ks, vs, (hn if cfg.norm_before_residual else hidden_TH)
+
+
+def ref_attend(cfg, qs, ks, vs, mask_TS):
+    """Dense-mask attention; query head n reads key/value head n // (N/G)."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    heads = []
+    for n, q in enumerate(qs):
+        scores = q @ ks[n // group].T / math.sqrt(cfg.head_dim)
+        scores = scores.masked_fill(~mask_TS, float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ vs[n // group])
+    return torch.cat(heads, dim=-1)
+
+
+def ref_finish(sd, cfg, attn_TND, residual_TH):
+    p = "layers.0."
+    h = attn_TND @ sd[p + "self_attn.o_proj.weight"].T + residual_TH
+    x = ref_rms(h, sd[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    gate = x @ sd[p + "mlp.gate_proj.weight"].T
+    up = x @ sd[p + "mlp.up_proj.weight"].T
+    return h + (gate * torch.sigmoid(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_decoder_layer_matches_explicit_reference(norm_before_residual, num_kv_heads):
+    cfg = tiny_config(norm_before_residual=norm_before_residual, num_key_value_heads=num_kv_heads)
+    model = random_draft(cfg)
+    sd = model.state_dict()
+    b, t = 2, 12
+    input_ids_BT = torch.randint(0, cfg.vocab_size, (b, t))
+    aux_BTAH = torch.randn(b, t, cfg.num_aux, cfg.hidden_size)
+    positions_BT = torch.stack([torch.arange(t), torch.arange(t) + 5])  # rows start at different positions
+    with torch.no_grad():
+        hidden_BTH = model.combine_aux(aux_BTAH)
+        out_BTH = model(input_ids_BT, hidden_BTH, positions_BT)
+        logits_BTVd = model.logits(out_BTH)
+    causal_TT = torch.ones(t, t, dtype=torch.bool).tril()
+    for i in range(b):
+        hidden = aux_BTAH[i].flatten(-2) @ sd["fc.weight"].T  # aux concatenated in ascending layer order
+        embeds = sd["embed_tokens.weight"][input_ids_BT[i]]
+        qs, ks, vs, residual = ref_qkv(sd, cfg, embeds, hidden, positions_BT[i])
+        ref_out = ref_finish(sd, cfg, ref_attend(cfg, qs, ks, vs, causal_TT), residual)
+        ref_logits = ref_rms(ref_out, sd["norm.weight"], cfg.rms_norm_eps) @ sd["lm_head.weight"].T
+        torch.testing.assert_close(out_BTH[i], ref_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits_BTVd[i], ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_embedding_goes_first_in_the_attention_input():
+    """Swapping embedding and hidden changes the output: the order is a real, tested convention."""
+    cfg = tiny_config()
+    model = random_draft(cfg)
+    ids_BT = torch.randint(0, cfg.vocab_size, (1, 6))
+    hidden_BTH = torch.randn(1, 6, cfg.hidden_size)
+    cos, sin = model.rope(torch.arange(6)[None])
+    layer = model.layer
+    q_ok = layer.project(model.embed(ids_BT), hidden_BTH, cos, sin)[0]
+    x_swapped = torch.cat([layer.hidden_norm(hidden_BTH), layer.input_layernorm(model.embed(ids_BT))], dim=-1)
+    q_swapped = layer.self_attn.project(x_swapped, cos, sin)[0]
+    assert not torch.allclose(q_ok, q_swapped)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "linear", "factor": 2.0},
+    ],
+)
+def test_rope_matches_hf_llama(rope):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    hf = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters={**(rope or {}), "rope_theta": 500000.0},
+    )
+    cfg = Eagle3Config.from_target_config(hf, [1], 32, vocab_size=40)
+    assert cfg.rope_scaling == (None if rope is None else rope)
+    model = Eagle3Draft(cfg)
+    positions_BT = torch.tensor([[0, 1, 7, 100, 2000, 4000]])
+    q_BNTD = torch.randn(1, 4, 6, 16)
+    cos, sin = model.rope(positions_BT)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(q_BNTD, positions_BT)
+    torch.testing.assert_close(cos, hf_cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin, hf_sin, rtol=1e-5, atol=1e-5)
+    from eagle.eagle3 import apply_rope
+
+    torch.testing.assert_close(
+        apply_rope(q_BNTD, cos, sin), apply_rotary_pos_emb(q_BNTD, q_BNTD, hf_cos, hf_sin)[0]
+    )
+
+
+def test_weight_names_are_what_vllm_loads():
+    cfg = tiny_config()
+    model = Eagle3Draft(cfg)
+    assert set(model.state_dict()) == VLLM_EAGLE3_WEIGHTS | {"embed_tokens.weight"}
+    exported = exported_state_dict(model)
+    assert set(exported) == VLLM_EAGLE3_WEIGHTS
+    h = cfg.hidden_size
+    assert exported["fc.weight"].shape == (h, cfg.num_aux * h)
+    assert exported["lm_head.weight"].shape == (cfg.draft_vocab_size, h)
+    assert exported["layers.0.self_attn.q_proj.weight"].shape == (
+        cfg.num_attention_heads * cfg.head_dim,
+        2 * h,
+    )
+    assert exported["layers.0.self_attn.k_proj.weight"].shape == (
+        cfg.num_key_value_heads * cfg.head_dim,
+        2 * h,
+    )
+    assert not model.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if n != "embed_tokens.weight")
+
+
+def test_target_embedding_is_loaded_and_shape_checked():
+    model = Eagle3Draft(tiny_config())
+    weight = torch.randn(40, 64)
+    model.load_target_embedding(weight)
+    assert torch.equal(model.embed_tokens.weight, weight)
+    with pytest.raises(ValueError, match="does not match"):
+        model.load_target_embedding(torch.randn(41, 64))
+
+
+def test_config_from_target_and_round_trip():
+    hf = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=40,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_theta=5e5,
+    )
+    cfg = Eagle3Config.from_target_config(hf, [1, 2, 3], draft_vocab_size=24, norm_before_residual=True)
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.vocab_size) == (64, 16, 2, 40)
+    assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings) == (
+        1e-5,
+        5e5,
+        None,
+        256,
+    )
+    assert cfg.norm_before_residual and cfg.draft_vocab_size == 24
+    assert Eagle3Config.from_dict(cfg.to_dict()) == cfg
+    # A draft vocabulary at least as big as the target's means no pruning, as in eagle/vocab.py.
+    assert Eagle3Config.from_target_config(hf, [1], 32000).draft_vocab_size == 40
+
+
+def test_bad_configs_fail_clearly():
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, vocab_size=40)
+    with pytest.raises(ValueError, match="must equal the target"):
+        Eagle3Config.from_target_config(hf, [1], 24, hidden_size=128)
+    with pytest.raises(ValueError, match="unknown"):
+        Eagle3Config.from_target_config(hf, [1], 24, hidden_sise=64)
+    with pytest.raises(ValueError, match="ascending"):
+        tiny_config(aux_layer_ids=[3, 1])
+    with pytest.raises(ValueError, match="multiple"):
+        tiny_config(num_key_value_heads=3)
+    with pytest.raises(NotImplementedError, match="yarn"):
+        tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="unknown"):
+        Eagle3Config.from_dict({**tiny_config().to_dict(), "bogus": 1})
