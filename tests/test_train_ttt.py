@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from eagle.eagle3 import Eagle3Config, Eagle3Draft
+from tests.test_eagle3_head import random_draft  # noqa: E402
+from tests.test_eagle3_head import tiny_config as head_tiny_config  # noqa: E402
 from train.ttt import (
     chain_counts,
     conditional_accuracies,
@@ -24,31 +26,7 @@ torch.set_num_threads(1)
 
 
 def tiny_config(**overrides) -> Eagle3Config:
-    values = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=40,
-        draft_vocab_size=24,
-        aux_layer_ids=[1, 2],
-        rope_theta=1000.0,
-        max_position_embeddings=128,
-    )
-    return Eagle3Config(**{**values, **overrides})
-
-
-def random_draft(config: Eagle3Config, seed: int = 0) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    model = Eagle3Draft(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-            else:
-                param.normal_(0, 1 / math.sqrt(param.shape[-1]))
-    return model
+    return head_tiny_config(**{"aux_layer_ids": [1, 2], **overrides})
 
 
 def ttt_dense_mask(t: int, step: int) -> torch.Tensor:
