@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="data_prep config overrides")
     args = parser.parse_args()
     overrides = list(args.overrides) + ([f"data.num_samples={args.num_samples}"] if args.num_samples else [])
-    cfg = compose("data_prep", overrides)
+    cfg = compose("config", overrides)
     if cfg.cache.num_threads:
         torch.set_num_threads(cfg.cache.num_threads)
 

@@ -248,7 +248,7 @@ def write_eval_conversations(path: Path, conversations) -> None:
     tmp.replace(path)
 
 
-@hydra.main(config_path="../conf", config_name="data_prep", version_base=None)
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

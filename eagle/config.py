@@ -89,20 +89,67 @@ class CacheConfig:
 
 
 @dataclass
-class DataPrepConfig:
-    run_dir: str = MISSING  # run directory shared by all stages; the cache goes to <run_dir>/cache
-    seed: int = 0  # seed for anything random in this stage
+class HeadConfig:
+    kind: str = "eagle3"  # eagle3 | eagle1
+    norm_before_residual: bool = (
+        False  # EAGLE-3: residual from the normed hidden state (false = original recipe)
+    )
+    num_ttt_steps: int = 7  # EAGLE-3 training-time-test rollout depth K
+    ttt_gamma: float = 0.8  # weight of step k's loss is gamma^k
+    eagle1_noise: float = 0.1  # EAGLE-1: input features get U(-noise, noise)
+    eagle1_ce_weight: float = 0.1  # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4  # peak learning rate (SpecForge's; the official recipe uses 5e-5)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_ratio: float = 0.015  # fraction of the optimizer steps spent warming up linearly
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio at the last step
+    max_grad_norm: float = 0.5  # gradient-norm clip
+
+
+@dataclass
+class TrainConfig:
+    num_epochs: int = 1  # passes over the cache's train split
+    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is sized to it)
+    batch_size: int = 4  # samples per micro-batch per process
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    mixed_precision: str = "bf16"  # no | bf16 | fp16 (fp32 master weights either way)
+    teacher_chunk_size: int = 2048  # tokens per full-vocab teacher logits chunk (memory bound)
+    log_every: int = 10  # status line (and W&B point) every N optimizer steps
+    eval_every: int = 100  # held-out eval every N optimizer steps (0: only at the end)
+    save_every: int = 200  # checkpoint every N optimizer steps (0: only at the end)
+    keep_last: int = 2  # checkpoints kept
+    resume: bool = False  # continue from the newest checkpoint in <run_dir>/ckpt
+    init_from: str | None = None  # warm start: a final head directory or a checkpoint directory
+    report_to: str = "none"  # none | wandb (W&B through accelerate; offline mode needs no account)
+    wandb_project: str = "eagle-heads"  # W&B project name
+    wandb_mode: str = "offline"  # offline | online
+    num_threads: int | None = None  # torch CPU threads per process (None: torch's default)
+
+
+@dataclass
+class PipelineConfig:
+    """One config for every stage, so one experiment file and the same overrides drive them all."""
+
+    run_dir: str = MISSING  # run directory shared by all stages (cache/, ckpt/, head/, report/)
+    seed: int = 0  # seed for anything random
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     regen: RegenConfig = field(default_factory=RegenConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def register_configs() -> None:
     """Register the schemas so YAML under conf/ is type-checked against them."""
     cs = ConfigStore.instance()
-    cs.store(name="data_prep_schema", node=DataPrepConfig)
+    cs.store(name="pipeline_schema", node=PipelineConfig)
 
 
 def _package_file(name: str) -> str:

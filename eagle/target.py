@@ -7,9 +7,11 @@ Hugging Face cache) so that the same files are loaded, hashed and recorded in th
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -108,3 +110,39 @@ def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> list[int]:
             "de-duplicates them, so any other order would train `fc` on a different concatenation"
         )
     return ids
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it (single file or an index of shards)."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise ValueError(
+            f"{directory}: no model.safetensors(.index.json); the head needs the target's safetensors"
+        )
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_embedding_and_lm_head(cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and lm_head [V, H], read without loading the whole model.
+
+    The draft shares the embedding (frozen) and the teacher comes from the lm_head; with tied
+    embeddings (SmolLM2, Llama-3.2-1B) the lm_head is the embedding.
+    """
+    directory = target_dir(cfg)
+    files = _weight_files(directory)
+    embed_name = next((n for n in ("model.embed_tokens.weight", "embed_tokens.weight") if n in files), None)
+    if embed_name is None:
+        raise ValueError(f"{directory}: no model.embed_tokens.weight among the target's tensors")
+
+    def read(name):
+        with safe_open(str(files[name]), framework="pt") as f:
+            return f.get_tensor(name).to(DTYPES[cfg.dtype])
+
+    embed = read(embed_name)
+    lm_head = read("lm_head.weight") if "lm_head.weight" in files else embed
+    return embed, lm_head

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def smoke_config(run_dir, *overrides):
     # One CPU thread: bitwise-equal results between in-process runs and torchrun workers (which get 1).
-    return compose("data_prep", ["experiment=smoke", f"run_dir={run_dir}", "cache.num_threads=1", *overrides])
+    return compose("config", ["experiment=smoke", f"run_dir={run_dir}", "cache.num_threads=1", *overrides])
 
 
 @pytest.fixture(scope="session")

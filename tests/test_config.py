@@ -13,14 +13,14 @@ from tests.conftest import REPO
 
 
 def test_default_data_prep_config_is_smollm2_on_sharegpt():
-    cfg = compose("data_prep", ["run_dir=/tmp/x"])
+    cfg = compose("config", ["run_dir=/tmp/x"])
     assert cfg.target.build == "smollm2" and cfg.target.path.endswith("SmolLM2-135M-Instruct")
     assert cfg.cache.draft_vocab_size == 32000 and cfg.cache.aux_layer_ids is None
     assert OmegaConf.to_container(cfg.data)["source"] == "${sharegpt_json:}"
 
 
 def test_smoke_experiment_composes_with_explicit_layer_ids():
-    cfg = compose("data_prep", ["experiment=smoke", "run_dir=/tmp/x"])
+    cfg = compose("config", ["experiment=smoke", "run_dir=/tmp/x"])
     assert cfg.target.path == "/tmp/x/smoke_target" and cfg.target.build == "smoke"
     assert list(cfg.cache.aux_layer_ids) == [1, 3, 4]
     assert cfg.data.source.endswith("eagle/smoke_data/conversations.jsonl")
@@ -29,7 +29,7 @@ def test_smoke_experiment_composes_with_explicit_layer_ids():
 
 def test_schema_rejects_a_wrongly_typed_value():
     with pytest.raises(ConfigCompositionException, match="max_shard_mb"):
-        compose("data_prep", ["experiment=smoke", "run_dir=/tmp/x", "cache.max_shard_mb=lots"])
+        compose("config", ["experiment=smoke", "run_dir=/tmp/x", "cache.max_shard_mb=lots"])
 
 
 def test_accelerate_launch_runs_the_stage(tmp_path, subprocess_env):
