@@ -136,12 +136,21 @@ def step_valid_mask(
     return valid_BT
 
 
-def step_loss(logits_BTVd: Tensor, teacher_BTVd: Tensor, valid_BT: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(soft cross-entropy mean over valid positions, correct_BT, num_valid). Zero loss with none valid."""
+def step_loss(
+    logits_BTVd: Tensor, teacher_BTVd: Tensor, valid_BT: Tensor, denominator: Tensor | float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(soft cross-entropy over valid positions, correct_BT, num_valid). Zero loss with none valid.
+
+    The loss is the mean over this batch's valid positions, or the sum divided by `denominator` when given
+    (the trainer passes a count over the whole global batch, so that any split of it across processes
+    and micro-batches gives the same gradient).
+    """
     logprobs_BTVd = torch.log_softmax(logits_BTVd.float(), dim=-1)
     ce_BT = -(teacher_BTVd * logprobs_BTVd).sum(-1)
     num_valid = valid_BT.sum()
-    loss = torch.where(valid_BT, ce_BT, 0.0).sum() / num_valid.clamp(min=1)
+    if denominator is None:
+        denominator = num_valid.clamp(min=1)
+    loss = torch.where(valid_BT, ce_BT, 0.0).sum() / denominator
     correct_BT = (logits_BTVd.argmax(-1) == teacher_BTVd.argmax(-1)) & valid_BT
     return loss, correct_BT, num_valid
 
@@ -173,8 +182,9 @@ def ttt_loss(
     target_lm_head: torch.Tensor,
     draft_to_target: torch.Tensor,
     chunk_size: int,
+    denominator: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """total = sum_k gamma^k loss_k over a right-padded batch.
+    """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: see `step_loss` for `denominator`).
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
     optional attention_mask [B, T] (1 = real token; without it every position is real).
@@ -202,7 +212,7 @@ def ttt_loss(
         # and no logits for the last 1+k positions, which have nothing to predict.
         kept = max(t - 1 - step, 0)
         loss, correct_BS, num_valid = step_loss(
-            model.logits(out_BTH[:, :kept]), probs_BTVd[:, 1 + step :], valid_BT[:, :kept]
+            model.logits(out_BTH[:, :kept]), probs_BTVd[:, 1 + step :], valid_BT[:, :kept], denominator
         )
         correct_BT = torch.cat([correct_BS, valid_BT[:, kept:]], dim=1)  # the tail is never valid: False
         total = total + gamma**step * loss

@@ -1,0 +1,122 @@
+"""Checkpoints (resumable training state) and the final head (what export reads).
+
+    <run_dir>/ckpt/step-000200/     accelerate state (weights, optimizer, RNG of every rank, scheduler)
+                                    + trainer_state.json (step, epoch), written last
+    <run_dir>/draft_head/           model.safetensors (trained weights, no embedding), vocab.safetensors,
+                                    draft_config.json (head kind and sizes, target and cache identity, metrics)
+
+A checkpoint is written to a temporary directory and renamed when complete, so a kill at any moment
+leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eagle.manifest import write_json_atomic
+
+STATE_FILE = "trainer_state.json"
+HEAD_CONFIG = "draft_config.json"
+
+
+def checkpoint_dirs(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not ckpt_dir.exists():
+        return []
+    found = [p for p in ckpt_dir.glob("step-*") if (p / STATE_FILE).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(accelerator, ckpt_dir: Path, step: int, epoch: int, keep_last: int) -> Path:
+    """Every rank saves its part; the main rank completes and publishes the checkpoint."""
+    final = ckpt_dir / f"step-{step:06d}"
+    tmp = ckpt_dir / f".tmp-step-{step:06d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_json_atomic(tmp / STATE_FILE, {"step": step, "epoch": epoch})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(ckpt_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    """Restore a checkpoint written by `save_checkpoint`; returns its trainer state (step, epoch)."""
+    state_file = path / STATE_FILE
+    if not state_file.exists():
+        raise ValueError(f"{path} is not a complete checkpoint (no {STATE_FILE}); pick another or start over")
+    try:
+        state = json.loads(state_file.read_text())
+        accelerator.load_state(str(path))
+    except Exception as error:
+        raise ValueError(
+            f"checkpoint {path} cannot be loaded ({error}); delete it to resume from an older one"
+        ) from error
+    return state
+
+
+def read_head_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Trainable head weights from a final head directory or a checkpoint directory (for warm starts)."""
+    path = Path(path)
+    if (path / HEAD_CONFIG).exists():
+        return load_file(str(path / "model.safetensors"))
+    if (path / STATE_FILE).exists():
+        weights_file = path / "model.safetensors"
+        if not weights_file.exists():
+            raise ValueError(
+                f"{path}: checkpoint has no model.safetensors (DeepSpeed checkpoints: export the head first)"
+            )
+        with safe_open(str(weights_file), framework="pt") as f:
+            # The checkpoint holds the training wrapper; the head's weights are under `draft.`.
+            return {k.removeprefix("draft."): f.get_tensor(k) for k in f.keys() if k.startswith("draft.")}
+    raise ValueError(
+        f"train.init_from={str(path)!r}: neither a head directory ({HEAD_CONFIG}) nor a checkpoint ({STATE_FILE})"
+    )
+
+
+def load_warm_start(model: torch.nn.Module, path: Path) -> None:
+    """Copy an older head's weights into `model`, refusing any tensor whose shape differs."""
+    weights = read_head_weights(path)
+    own = {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
+    missing = sorted(set(own) - set(weights))
+    mismatched = [
+        f"  {k}: old {tuple(weights[k].shape)}, new {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in weights and weights[k].shape != v.shape
+    ]
+    if missing or mismatched:
+        raise ValueError(
+            f"train.init_from={str(path)!r} does not fit this head (another target size, draft vocabulary or "
+            "aux layer count?):\n" + "\n".join(mismatched + [f"  {k}: missing" for k in missing])
+        )
+    model.load_state_dict({k: weights[k] for k in own}, strict=False)
+
+
+def save_head(directory: Path, weights: dict[str, torch.Tensor], vocab_file: Path, config: dict) -> None:
+    """The final head in the project's format, built beside `directory` and renamed into place."""
+    from safetensors.torch import save_file
+
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(
+        {k: v.detach().float().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors")
+    )
+    shutil.copy(vocab_file, tmp / "vocab.safetensors")
+    write_json_atomic(tmp / HEAD_CONFIG, config)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)

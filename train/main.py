@@ -1,0 +1,408 @@
+"""train: fit an EAGLE-3 draft head on the cache with training-time test (TTT).
+
+    python train/main.py experiment=smoke run_dir=/tmp/smoke
+    accelerate launch --num_processes 8 train/main.py run_dir=/runs/llama31 train.report_to=wandb
+    accelerate launch --config_file conf/accelerate/zero2.yaml train/main.py run_dir=...   # DeepSpeed ZeRO-2
+
+Reads <run_dir>/cache (data_prep), writes checkpoints to <run_dir>/ckpt, held-out metrics to
+<run_dir>/train_eval.jsonl and the final head to <run_dir>/draft_head (what export reads).
+The TTT math is in train/ttt.py; the head in eagle/eagle3.py; this file is the loop around them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/main.py` from anywhere
+
+from eagle.cache import CacheSplit  # noqa: E402
+from eagle.config import register_configs  # noqa: E402
+from eagle.eagle3 import Eagle3Config, Eagle3Draft, exported_state_dict  # noqa: E402
+from eagle.launch import make_accelerator, setup_logging  # noqa: E402
+from eagle.manifest import read_manifest  # noqa: E402
+from eagle.target import load_config, load_embedding_and_lm_head, target_dir, weights_hash  # noqa: E402
+from eagle.vocab import load_vocab_map  # noqa: E402
+from train.checkpoint import (  # noqa: E402
+    checkpoint_dirs,
+    load_checkpoint,
+    load_warm_start,
+    save_checkpoint,
+    save_head,
+)
+from train.data import collate, plan_epoch  # noqa: E402
+from train.ttt import conditional_accuracies, expected_acceptance_length, ttt_loss  # noqa: E402
+
+log = logging.getLogger("train")
+
+
+class DraftWithLoss(torch.nn.Module):
+    """The head plus its TTT objective in one forward, so DDP / DeepSpeed see a single module call."""
+
+    def __init__(self, draft: Eagle3Draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
+        super().__init__()
+        self.draft = draft
+        self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        self.register_buffer("draft_to_target", draft_to_target, persistent=False)
+        self.num_steps, self.gamma, self.chunk_size = (
+            cfg.head.num_ttt_steps,
+            cfg.head.ttt_gamma,
+            cfg.train.teacher_chunk_size,
+        )
+
+    def forward(self, batch, denominator=None):
+        return ttt_loss(
+            self.draft, batch, self.num_steps, self.gamma, self.target_lm_head, self.draft_to_target,
+            self.chunk_size, denominator,
+        )  # fmt: skip
+
+
+def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None:
+    """Refuse a cache made for another target or other layers before any training."""
+    found = {
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "num_hidden_layers": target_config.num_hidden_layers,
+        "target_hash": weights_hash(target_dir(cfg.target)),
+    }
+    if cfg.cache.aux_layer_ids is not None:
+        found["aux_layer_ids"] = list(cfg.cache.aux_layer_ids)
+    differing = [k for k, v in found.items() if cache_manifest.get(k) != v]
+    if differing:
+        lines = [
+            f"  {k}: cache has {cache_manifest.get(k)!r}, config/target has {found[k]!r}" for k in differing
+        ]
+        raise ValueError(
+            f"{cfg.run_dir}/cache was made for another target or layers than train is given "
+            f"(target.path={cfg.target.path}):\n" + "\n".join(lines)
+        )
+
+
+def build_draft(cfg, target_config, cache_manifest, vocab) -> Eagle3Draft:
+    if cfg.head.kind != "eagle3":
+        raise ValueError(f"head.kind={cfg.head.kind!r}: this trainer trains eagle3 heads")
+    config = Eagle3Config.from_target_config(
+        target_config,
+        aux_layer_ids=cache_manifest["aux_layer_ids"],
+        draft_vocab_size=vocab.draft_vocab_size,
+        norm_before_residual=cfg.head.norm_before_residual,
+    )
+    torch.manual_seed(cfg.seed)
+    return Eagle3Draft(config)
+
+
+def lr_factor(step: int, num_steps: int, warmup_ratio: float, min_ratio: float) -> float:
+    """Linear warmup then cosine to `min_ratio`, sized from the real number of optimizer steps."""
+    warmup = max(1, round(warmup_ratio * num_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, num_steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int) -> dict:
+    """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts."""
+    model.eval()
+    sums = torch.zeros(4, num_steps, device=accelerator.device)  # ce, valid, correct, (hits, totals below)
+    chain = torch.zeros(2, num_steps, device=accelerator.device)
+    mine = list(range(accelerator.process_index, len(eval_split), accelerator.num_processes))
+    for start in range(0, len(mine), batch_size):
+        batch = collate([eval_split[i] for i in mine[start : start + batch_size]], accelerator.device)
+        with accelerator.autocast():
+            _, metrics = model(batch, denominator=1.0)  # per-step sums
+        for k in range(num_steps):
+            n = metrics[f"num_valid_{k}"].float()
+            sums[:, k] += torch.stack(
+                [metrics[f"loss_{k}"].float(), n, metrics[f"acc_{k}"].float() * n, n * 0]
+            )
+            chain[:, k] += torch.stack(
+                [metrics[f"chain_hits_{k}"].float(), metrics[f"chain_total_{k}"].float()]
+            )
+    sums, chain = accelerator.reduce(sums, "sum"), accelerator.reduce(chain, "sum")
+    model.train()
+    cond = conditional_accuracies(chain[0].long().cpu(), chain[1].long().cpu())
+    result = {f"eval/loss_{k}": float(sums[0, k] / sums[1, k].clamp(min=1)) for k in range(num_steps)}
+    result |= {f"eval/acc_{k}": float(sums[2, k] / sums[1, k].clamp(min=1)) for k in range(num_steps)}
+    result |= {f"eval/cond_acc_{k}": cond[k] for k in range(num_steps)}
+    result |= {f"eval/accept_len_k{n}": expected_acceptance_length(cond[:n]) for n in range(1, num_steps + 1)}
+    return result
+
+
+class StopRequest:
+    """SIGINT / SIGTERM set a flag; the loop checkpoints at the end of the step and exits."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train the head; returns the final held-out metrics."""
+    accelerator = make_accelerator(
+        mixed_precision=cfg.train.mixed_precision,
+        log_with="wandb" if cfg.train.report_to == "wandb" else None,
+        project_dir=cfg.run_dir,
+    )
+    setup_logging(accelerator)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    run_dir = Path(cfg.run_dir).resolve()
+    cache_dir, ckpt_dir = run_dir / "cache", run_dir / "ckpt"
+    cache_manifest = read_manifest(cache_dir)
+    target_config = load_config(cfg.target)
+    check_cache_matches_target(cache_manifest, cfg, target_config)
+    train_split, eval_split = CacheSplit(cache_dir, "train"), CacheSplit(cache_dir, "eval")
+    vocab = load_vocab_map(cache_dir / "vocab.safetensors")
+
+    draft = build_draft(cfg, target_config, cache_manifest, vocab)
+    embed, lm_head = load_embedding_and_lm_head(cfg.target)
+    draft.load_target_embedding(embed.float())
+    if cfg.train.init_from:
+        load_warm_start(draft, Path(cfg.train.init_from))
+        log.info("warm start from %s", cfg.train.init_from)
+    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+    )
+    world, accumulation = accelerator.num_processes, cfg.train.gradient_accumulation_steps
+    steps_per_epoch = len(
+        plan_epoch(train_split.lengths, cfg.train.batch_size, world, accumulation, cfg.seed, 0)
+    )
+    num_steps = cfg.train.num_epochs * steps_per_epoch
+    if cfg.train.max_steps:
+        num_steps = min(num_steps, cfg.train.max_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, num_steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
+    )
+    # The scheduler is stepped by hand once per optimizer step (accelerate would step it once per process).
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    step, start_epoch = 0, 0
+    if cfg.train.resume and checkpoint_dirs(ckpt_dir):
+        latest = checkpoint_dirs(ckpt_dir)[-1]
+        state = load_checkpoint(accelerator, latest)
+        step, start_epoch = state["step"], state["epoch"]
+        log.info("resumed from %s (step %d)", latest, step)
+    if accelerator.is_main_process:
+        (run_dir / "train.yaml").write_text(OmegaConf.to_yaml(cfg))
+    accelerator.init_trackers(
+        cfg.train.wandb_project,
+        config={
+            **OmegaConf.to_container(cfg, resolve=True),
+            "cache_manifest": {k: v for k, v in cache_manifest.items() if k != "splits"},
+        },
+        init_kwargs={"wandb": {"dir": str(run_dir), "mode": cfg.train.wandb_mode, "name": run_dir.name}},
+    )
+    log.info(
+        "training %d optimizer steps (%d per epoch, %d samples per step, %d processes), K=%d TTT steps",
+        num_steps, steps_per_epoch, cfg.train.batch_size * world * accumulation, world, cfg.head.num_ttt_steps,
+    )  # fmt: skip
+    history = fit(
+        cfg,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        train_split,
+        eval_split,
+        step,
+        start_epoch,
+        num_steps,
+        ckpt_dir,
+    )
+
+    final_eval = history[-1] if history else {}
+    if accelerator.is_main_process:
+        head = accelerator.unwrap_model(model).draft
+        save_head(
+            run_dir / "draft_head",
+            exported_state_dict(head),
+            cache_dir / "vocab.safetensors",
+            {
+                "kind": "eagle3",
+                "config": head.config.to_dict(),
+                "target": {"path": str(cfg.target.path), "hash": cache_manifest["target_hash"]},
+                "cache": {
+                    k: cache_manifest[k] for k in ("aux_layer_ids", "tokenizer_hash", "dataset_fingerprint")
+                },
+                "training": {"num_steps": num_steps, "num_processes": world, "held_out": final_eval},
+            },
+        )
+        log.info("final head: %s", run_dir / "draft_head")
+    accelerator.end_training()
+    return final_eval
+
+
+def fit(
+    cfg,
+    accelerator,
+    model,
+    optimizer,
+    scheduler,
+    train_split,
+    eval_split,
+    step,
+    start_epoch,
+    num_steps,
+    ckpt_dir,
+):
+    """The training loop: steps of accumulated micro-batches; log, eval and checkpoint every N steps."""
+    run_dir = ckpt_dir.parent
+    world, rank = accelerator.num_processes, accelerator.process_index
+    accumulation, num_ttt = cfg.train.gradient_accumulation_steps, cfg.head.num_ttt_steps
+    stop = StopRequest()
+    history, window_tokens, window_start = [], 0, time.perf_counter()
+    model.train()
+    from tqdm import tqdm
+
+    bar = tqdm(total=num_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
+    epoch = start_epoch
+    while step < num_steps:
+        plan = plan_epoch(train_split.lengths, cfg.train.batch_size, world, accumulation, cfg.seed, epoch)
+        steps_per_epoch = len(plan)
+        for micro_batches in plan[step - epoch * steps_per_epoch :]:
+            if step >= num_steps:
+                break
+            batches = [
+                collate([train_split[i] for i in ids], accelerator.device) for ids in micro_batches[rank]
+            ]
+            # Normalise by the loss tokens of the whole global batch: any split across processes and
+            # micro-batches then gives the same gradient (DDP averages, hence the factor world).
+            num_loss_tokens = accelerator.reduce(sum(b["loss_mask"].sum() for b in batches).float(), "sum")
+            denominator = num_loss_tokens.clamp(min=1) / world
+            step_metrics = torch.zeros(3, num_ttt, device=accelerator.device)  # loss sum, valid, correct
+            for index, batch in enumerate(batches):
+                sync = index == len(batches) - 1
+                with accelerator.autocast(), accelerator.no_sync(model) if not sync else nullcontext():
+                    loss, metrics = model(batch, denominator)
+                    accelerator.backward(loss)
+                for k in range(num_ttt):
+                    n = metrics[f"num_valid_{k}"].float()
+                    step_metrics[:, k] += torch.stack(
+                        [metrics[f"loss_{k}"] * denominator, n, metrics[f"acc_{k}"] * n]
+                    )
+                window_tokens += int(batch["attention_mask"].sum())
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            step_metrics = accelerator.reduce(step_metrics, "sum")
+            total_loss = float(
+                (
+                    step_metrics[0]
+                    / step_metrics[1].clamp(min=1)
+                    * torch.tensor(
+                        [cfg.head.ttt_gamma**k for k in range(num_ttt)], device=step_metrics.device
+                    )
+                ).sum()
+            )
+            if not math.isfinite(total_loss) or not math.isfinite(float(grad_norm)):
+                last = checkpoint_dirs(ckpt_dir)
+                raise FloatingPointError(
+                    f"non-finite loss or gradient at step {step + 1} (loss {total_loss}, grad norm {float(grad_norm)}); "
+                    f"the last good checkpoint is {last[-1] if last else 'none (no checkpoint yet)'}"
+                )
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            if accelerator.is_main_process:  # every step's loss: what resume and golden-loss tests compare
+                with open(run_dir / "train_steps.jsonl", "a") as f:
+                    f.write(
+                        json.dumps({"step": step, "loss": total_loss, "grad_norm": float(grad_norm)}) + "\n"
+                    )
+
+            if step % cfg.train.log_every == 0 or step == num_steps:
+                tokens = accelerator.reduce(
+                    torch.tensor(float(window_tokens), device=accelerator.device), "sum"
+                )
+                seconds = time.perf_counter() - window_start
+                record = {
+                    "train/loss": total_loss,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(grad_norm),
+                    "train/tok_per_s": float(tokens) / seconds,
+                }
+                record |= {
+                    f"train/loss_{k}": float(step_metrics[0, k] / step_metrics[1, k].clamp(min=1))
+                    for k in range(num_ttt)
+                }
+                record |= {
+                    f"train/acc_{k}": float(step_metrics[2, k] / step_metrics[1, k].clamp(min=1))
+                    for k in range(num_ttt)
+                }
+                accelerator.log(record, step=step)
+                accs = " ".join(f"{record[f'train/acc_{k}']:.2f}" for k in range(num_ttt))
+                log.info(
+                    "step %d | loss %.4f | acc@0..%d %s | lr %.2e | grad %.2f | %.0f tok/s",
+                    step,
+                    total_loss,
+                    num_ttt - 1,
+                    accs,
+                    record["train/lr"],
+                    record["train/grad_norm"],
+                    record["train/tok_per_s"],
+                )
+                window_tokens, window_start = 0, time.perf_counter()
+            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == num_steps:
+                result = {
+                    "step": step,
+                    **evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_ttt),
+                }
+                history.append(result)
+                accelerator.log(result, step=step)
+                if accelerator.is_main_process:
+                    with open(run_dir / "train_eval.jsonl", "a") as f:
+                        f.write(json.dumps(result) + "\n")
+                log.info(
+                    "eval step %d | acc@0 %.3f | acceptance length (k=3) %.3f",
+                    step,
+                    result["eval/acc_0"],
+                    result.get("eval/accept_len_k3", float("nan")),
+                )
+            stop_now = (
+                accelerator.reduce(torch.tensor(float(stop.requested), device=accelerator.device), "sum") > 0
+            )
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == num_steps or stop_now:
+                path = save_checkpoint(
+                    accelerator,
+                    ckpt_dir,
+                    step,
+                    epoch if step % steps_per_epoch else epoch + 1,
+                    cfg.train.keep_last,
+                )
+                log.info("checkpoint %s", path)
+            if stop_now:
+                bar.close()
+                raise KeyboardInterrupt(
+                    f"stopped by a signal at step {step}; checkpoint saved; resume with train.resume=true"
+                )
+        epoch += 1
+    bar.close()
+    return history
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+register_configs()
+
+if __name__ == "__main__":
+    main()
