@@ -122,7 +122,7 @@ class TrainConfig:
     eval_every: int = 100  # held-out eval every N optimizer steps (0: only at the end)
     save_every: int = 200  # checkpoint every N optimizer steps (0: only at the end)
     keep_last: int = 2  # checkpoints kept
-    resume: bool = False  # continue from the newest checkpoint in <run_dir>/ckpt
+    resume: str = "never"  # never | always (continue from the newest checkpoint; error without one) | auto
     init_from: str | None = None  # warm start: a final head directory or a checkpoint directory
     report_to: str = "none"  # none | wandb (W&B through accelerate; offline mode needs no account)
     wandb_project: str = "eagle-heads"  # W&B project name

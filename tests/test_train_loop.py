@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, smoke_config
@@ -152,7 +152,13 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tra
 
 def test_corrupt_checkpoint_on_resume_is_a_clear_error(train_run):
     run(train_config(train_run))
+    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run.*train.resume=true"):
+        run(train_config(train_run))
     (train_run / "ckpt" / "step-000008" / "optimizer.bin").write_bytes(b"not a checkpoint")
+    empty = train_run.parent / "empty_run"
+    shutil.copytree(train_run, empty, ignore=shutil.ignore_patterns("ckpt"))
+    with pytest.raises(ValueError, match=r"train.resume=true but .* has no complete checkpoint"):
+        run(train_config(empty, "train.resume=true"))
     with pytest.raises(ValueError, match=r"step-000008 cannot be loaded"):
         run(train_config(train_run, "train.resume=true"))
 
@@ -173,3 +179,36 @@ def test_sigterm_writes_a_checkpoint_before_exiting(train_run, subprocess_env):
     checkpoints = sorted((train_run / "ckpt").glob("step-*"))
     assert len(checkpoints) == 1 and int(checkpoints[0].name.split("-")[1]) >= 3, stderr[-2000:]
     assert "resume with train.resume=true" in stderr
+
+
+def test_eagle1_head_trains_and_saves_the_vllm_tensor_set(train_run):
+    run(train_config(train_run, "head.kind=eagle1"))
+    losses = step_losses(train_run)
+    assert losses[8] < losses[1]
+    weights = load_file(str(train_run / "draft_head" / "model.safetensors"))
+    assert weights["fc.weight"].shape == (256, 512)
+    assert not any(k.startswith(("lm_head", "norm", "layers.0.input_layernorm")) for k in weights)
+    assert json.loads((train_run / "draft_head" / "draft_config.json").read_text())["kind"] == "eagle1"
+
+
+def test_warm_start_from_an_old_head_and_refusal_of_another_shape(train_run, tmp_path):
+    run(train_config(train_run, "train.max_steps=4"))
+    old_head = tmp_path / "old_head"
+    shutil.copytree(train_run / "draft_head", old_head)
+    first_cold = step_losses(train_run)[1]
+    (train_run / "train_steps.jsonl").unlink()
+    shutil.rmtree(train_run / "ckpt")
+    run(train_config(train_run, "train.max_steps=4", f"train.init_from={old_head}"))
+    assert step_losses(train_run)[1] < first_cold  # starts where the old head left off
+    # A checkpoint directory works as a warm start too.
+    shutil.move(train_run / "ckpt", tmp_path / "ckpt")
+    run(train_config(train_run, "train.max_steps=1", f"train.init_from={tmp_path / 'ckpt' / 'step-000004'}"))
+    # A head trained with another draft vocabulary does not fit: refused, naming the tensor.
+    weights = load_file(str(old_head / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"][:256]
+    save_file(weights, str(old_head / "model.safetensors"))
+    shutil.rmtree(train_run / "ckpt")
+    with pytest.raises(
+        ValueError, match=r"(?s)does not fit this head.*lm_head.weight: old \(256, 256\), new \(512, 256\)"
+    ):
+        run(train_config(train_run, f"train.init_from={old_head}"))

@@ -26,9 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/main.py` from anywhere
 
+from eagle import eagle1, eagle3  # noqa: E402
 from eagle.cache import CacheSplit  # noqa: E402
 from eagle.config import register_configs  # noqa: E402
-from eagle.eagle3 import Eagle3Config, Eagle3Draft, exported_state_dict  # noqa: E402
+from eagle.eagle1 import Eagle1Config, Eagle1Draft  # noqa: E402
+from eagle.eagle3 import Eagle3Config, Eagle3Draft  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
 from eagle.manifest import read_manifest  # noqa: E402
 from eagle.target import load_config, load_embedding_and_lm_head, target_dir, weights_hash  # noqa: E402
@@ -41,30 +43,50 @@ from train.checkpoint import (  # noqa: E402
     save_head,
 )
 from train.data import collate, plan_epoch  # noqa: E402
+from train.eagle1_loss import eagle1_loss  # noqa: E402
 from train.ttt import conditional_accuracies, expected_acceptance_length, ttt_loss  # noqa: E402
 
 log = logging.getLogger("train")
 
 
 class DraftWithLoss(torch.nn.Module):
-    """The head plus its TTT objective in one forward, so DDP / DeepSpeed see a single module call."""
+    """The head plus its objective in one forward, so DDP / DeepSpeed see a single module call.
 
-    def __init__(self, draft: Eagle3Draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
+    EAGLE-3: the TTT loss (train/ttt.py). EAGLE-1: feature regression + soft CE (train/eagle1_loss.py),
+    reported as one step (loss_0, acc_0) so the loop treats both heads alike.
+    """
+
+    def __init__(self, draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
         super().__init__()
-        self.draft = draft
+        self.draft, self.kind, self.head_cfg = draft, cfg.head.kind, cfg.head
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
-        self.num_steps, self.gamma, self.chunk_size = (
-            cfg.head.num_ttt_steps,
-            cfg.head.ttt_gamma,
-            cfg.train.teacher_chunk_size,
-        )
+        self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
 
     def forward(self, batch, denominator=None):
-        return ttt_loss(
-            self.draft, batch, self.num_steps, self.gamma, self.target_lm_head, self.draft_to_target,
-            self.chunk_size, denominator,
+        if self.kind == "eagle3":
+            return ttt_loss(
+                self.draft, batch, self.num_steps, self.head_cfg.ttt_gamma, self.target_lm_head,
+                self.draft_to_target, self.chunk_size, denominator,
+            )  # fmt: skip
+        total, metrics = eagle1_loss(
+            self.draft, batch, self.target_lm_head, self.chunk_size, noise_range=self.head_cfg.eagle1_noise,
+            ce_weight=self.head_cfg.eagle1_ce_weight, add_noise=self.training,
         )  # fmt: skip
+        if denominator is not None:  # a mean over this batch's valid positions -> a sum over the global count
+            total = total * metrics["num_valid"] / denominator
+        return total, {
+            "loss_0": total.detach(),
+            "acc_0": metrics["acc_0"],
+            "num_valid_0": metrics["num_valid"],
+            "chain_hits_0": metrics["chain_hits_0"],
+            "chain_total_0": metrics["chain_total_0"],
+        }
+
+
+def num_loss_steps(cfg) -> int:
+    """Drafting depths the objective trains and reports: K for EAGLE-3, one for EAGLE-1."""
+    return cfg.head.num_ttt_steps if cfg.head.kind == "eagle3" else 1
 
 
 def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None:
@@ -88,17 +110,28 @@ def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None
         )
 
 
-def build_draft(cfg, target_config, cache_manifest, vocab) -> Eagle3Draft:
-    if cfg.head.kind != "eagle3":
-        raise ValueError(f"head.kind={cfg.head.kind!r}: this trainer trains eagle3 heads")
-    config = Eagle3Config.from_target_config(
-        target_config,
-        aux_layer_ids=cache_manifest["aux_layer_ids"],
-        draft_vocab_size=vocab.draft_vocab_size,
-        norm_before_residual=cfg.head.norm_before_residual,
-    )
+def build_draft(cfg, target_config, cache_manifest, vocab):
+    """A freshly initialised head of `head.kind`, sized from the target and the cache."""
     torch.manual_seed(cfg.seed)
-    return Eagle3Draft(config)
+    if cfg.head.kind == "eagle3":
+        config = Eagle3Config.from_target_config(
+            target_config,
+            aux_layer_ids=cache_manifest["aux_layer_ids"],
+            draft_vocab_size=vocab.draft_vocab_size,
+            norm_before_residual=cfg.head.norm_before_residual,
+        )
+        return Eagle3Draft(config)
+    if cfg.head.kind == "eagle1":
+        return Eagle1Draft(Eagle1Config.from_target_config(target_config))
+    raise ValueError(f"head.kind={cfg.head.kind!r}: choose eagle3 or eagle1")
+
+
+def resume_mode(value) -> str:
+    """train.resume as never | always | auto (true/false are accepted for always/never)."""
+    mode = {"true": "always", "false": "never"}.get(str(value).lower(), str(value).lower())
+    if mode not in ("never", "always", "auto"):
+        raise ValueError(f"train.resume={value!r}: choose never, always (true) or auto")
+    return mode
 
 
 def lr_factor(step: int, num_steps: int, warmup_ratio: float, min_ratio: float) -> float:
@@ -195,7 +228,15 @@ def run(cfg: DictConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler)
 
     step, start_epoch = 0, 0
-    if cfg.train.resume and checkpoint_dirs(ckpt_dir):
+    resume = resume_mode(cfg.train.resume)
+    if checkpoint_dirs(ckpt_dir) and resume == "never":
+        raise ValueError(
+            f"{ckpt_dir} holds checkpoints of an earlier run: continue it with train.resume=true, or use "
+            "another run_dir (or delete that ckpt/) to train from scratch"
+        )
+    if resume == "always" and not checkpoint_dirs(ckpt_dir):
+        raise ValueError(f"train.resume=true but {ckpt_dir} has no complete checkpoint to resume from")
+    if checkpoint_dirs(ckpt_dir) and resume != "never":
         latest = checkpoint_dirs(ckpt_dir)[-1]
         state = load_checkpoint(accelerator, latest)
         step, start_epoch = state["step"], state["epoch"]
@@ -228,15 +269,22 @@ def run(cfg: DictConfig) -> dict:
         ckpt_dir,
     )
 
-    final_eval = history[-1] if history else {}
+    if not history:  # resumed a run that had already finished: measure the head it has
+        history = [
+            {
+                "step": step,
+                **evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_loss_steps(cfg)),
+            }
+        ]
+    final_eval = history[-1]
     if accelerator.is_main_process:
         head = accelerator.unwrap_model(model).draft
         save_head(
             run_dir / "draft_head",
-            exported_state_dict(head),
+            (eagle3 if cfg.head.kind == "eagle3" else eagle1).exported_state_dict(head),
             cache_dir / "vocab.safetensors",
             {
-                "kind": "eagle3",
+                "kind": cfg.head.kind,
                 "config": head.config.to_dict(),
                 "target": {"path": str(cfg.target.path), "hash": cache_manifest["target_hash"]},
                 "cache": {
@@ -266,7 +314,7 @@ def fit(
     """The training loop: steps of accumulated micro-batches; log, eval and checkpoint every N steps."""
     run_dir = ckpt_dir.parent
     world, rank = accelerator.num_processes, accelerator.process_index
-    accumulation, num_ttt = cfg.train.gradient_accumulation_steps, cfg.head.num_ttt_steps
+    accumulation, num_ttt = cfg.train.gradient_accumulation_steps, num_loss_steps(cfg)
     stop = StopRequest()
     history, window_tokens, window_start = [], 0, time.perf_counter()
     model.train()
