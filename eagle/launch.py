@@ -6,6 +6,7 @@ import logging
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 
 
 def make_accelerator(**kwargs) -> Accelerator:
@@ -14,6 +15,11 @@ def make_accelerator(**kwargs) -> Accelerator:
     A plain `Accelerator()` under torchrun on a machine without a GPU silently runs every process alone
     (num_processes == 1); asking for the CPU explicitly gives real DDP over gloo.
     """
+    # A stage's run() may be called several times in one process (tests, notebooks) with other settings
+    # (e.g. mixed precision); accelerate keeps them in a singleton, so start each run from a clean one.
+    # The process group (PartialState) is kept.
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
     return Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
 
 

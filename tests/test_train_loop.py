@@ -212,3 +212,11 @@ def test_warm_start_from_an_old_head_and_refusal_of_another_shape(train_run, tmp
         ValueError, match=r"(?s)does not fit this head.*lm_head.weight: old \(256, 256\), new \(512, 256\)"
     ):
         run(train_config(train_run, f"train.init_from={old_head}"))
+
+
+def test_bf16_mixed_precision_keeps_fp32_master_weights(train_run):
+    run(train_config(train_run, "train.mixed_precision=bf16", "train.max_steps=4"))
+    losses = step_losses(train_run)
+    assert all(map(lambda v: v == v and v < 100, losses.values()))  # finite
+    weights = load_file(str(train_run / "ckpt" / "step-000004" / "model.safetensors"))
+    assert all(w.dtype == torch.float32 for w in weights.values())
