@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from accelerate import Accelerator
@@ -20,7 +21,18 @@ def make_accelerator(**kwargs) -> Accelerator:
     # The process group (PartialState) is kept.
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    # Asking for the CPU would silently switch a requested DeepSpeed run to plain DDP; don't.
+    wants_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not wants_deepspeed, **kwargs)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world != accelerator.num_processes:
+        # Seen with DeepSpeed on CPU: every rank believes it is alone, so each would train on all the data.
+        raise RuntimeError(
+            f"accelerate sees {accelerator.num_processes} process(es) but torch.distributed has {world} "
+            f"({accelerator.distributed_type}); each rank would work alone. DeepSpeed needs GPUs here; on CPU "
+            "use plain DDP: `torchrun --nproc_per_node N <stage>/main.py ...` without ACCELERATE_USE_DEEPSPEED."
+        )
+    return accelerator
 
 
 def setup_logging(accelerator: Accelerator) -> None:

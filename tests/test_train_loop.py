@@ -220,3 +220,21 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(train_run):
     assert all(map(lambda v: v == v and v < 100, losses.values()))  # finite
     weights = load_file(str(train_run / "ckpt" / "step-000004" / "model.safetensors"))
     assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+def test_deepspeed_on_cpu_is_refused_instead_of_training_each_rank_alone(train_run, subprocess_env):
+    # DESIGN.md 7: under DeepSpeed on CPU accelerate reports num_processes == 1 on every rank, so each rank
+    # would train on the whole data set by itself. The stage must say so, not run.
+    pytest.importorskip("deepspeed")
+    env = dict(
+        subprocess_env,
+        DS_ACCELERATOR="cpu",
+        ACCELERATE_USE_DEEPSPEED="true",
+        ACCELERATE_DEEPSPEED_ZERO_STAGE="2",
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/main.py",
+           "experiment=smoke", f"run_dir={train_run}", *FAST]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "accelerate sees 1 process(es) but torch.distributed has 2" in result.stderr
+    assert not (train_run / "ckpt").exists()
