@@ -107,6 +107,10 @@ def test_wandb_offline_run_holds_the_logged_metrics(train_run, monkeypatch):
     run(train_config(train_run, "train.report_to=wandb"))
     files = list((train_run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
+    # wandb's service process may still be flushing the run file when finish() returns.
+    deadline = time.time() + 60
+    while b"eval/accept_len_k3" not in files[0].read_bytes() and time.time() < deadline:
+        time.sleep(0.5)
     data = files[0].read_bytes()
     for key in [
         b"train/loss_0",

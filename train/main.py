@@ -23,6 +23,7 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/main.py` from anywhere
 
@@ -147,8 +148,8 @@ def lr_factor(step: int, num_steps: int, warmup_ratio: float, min_ratio: float) 
 def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int) -> dict:
     """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts."""
     model.eval()
-    sums = torch.zeros(4, num_steps, device=accelerator.device)  # ce, valid, correct, (hits, totals below)
-    chain = torch.zeros(2, num_steps, device=accelerator.device)
+    sums = torch.zeros(3, num_steps, device=accelerator.device)  # per step: ce sum, valid, correct
+    chain = torch.zeros(2, num_steps, device=accelerator.device)  # per depth: chain hits, chain totals
     mine = list(range(accelerator.process_index, len(eval_split), accelerator.num_processes))
     for start in range(0, len(mine), batch_size):
         batch = collate([eval_split[i] for i in mine[start : start + batch_size]], accelerator.device)
@@ -156,9 +157,7 @@ def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_st
             _, metrics = model(batch, denominator=1.0)  # per-step sums
         for k in range(num_steps):
             n = metrics[f"num_valid_{k}"].float()
-            sums[:, k] += torch.stack(
-                [metrics[f"loss_{k}"].float(), n, metrics[f"acc_{k}"].float() * n, n * 0]
-            )
+            sums[:, k] += torch.stack([metrics[f"loss_{k}"].float(), n, metrics[f"acc_{k}"].float() * n])
             chain[:, k] += torch.stack(
                 [metrics[f"chain_hits_{k}"].float(), metrics[f"chain_total_{k}"].float()]
             )
@@ -173,12 +172,20 @@ def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_st
 
 
 class StopRequest:
-    """SIGINT / SIGTERM set a flag; the loop checkpoints at the end of the step and exits."""
+    """While active, SIGINT / SIGTERM set a flag; the loop checkpoints at the end of the step and exits.
 
-    def __init__(self):
+    The previous handlers come back on exit, so a run() inside a larger program leaves Ctrl-C as it was.
+    """
+
+    def __enter__(self):
         self.requested = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
 
     def _handle(self, signum, frame):
         self.requested = True
@@ -255,19 +262,11 @@ def run(cfg: DictConfig) -> dict:
         "training %d optimizer steps (%d per epoch, %d samples per step, %d processes), K=%d TTT steps",
         num_steps, steps_per_epoch, cfg.train.batch_size * world * accumulation, world, cfg.head.num_ttt_steps,
     )  # fmt: skip
-    history = fit(
-        cfg,
-        accelerator,
-        model,
-        optimizer,
-        scheduler,
-        train_split,
-        eval_split,
-        step,
-        start_epoch,
-        num_steps,
-        ckpt_dir,
-    )
+    with StopRequest() as stop:
+        history = fit(
+            cfg, accelerator, model, optimizer, scheduler, train_split, eval_split, step, start_epoch,
+            num_steps, ckpt_dir, stop,
+        )  # fmt: skip
 
     if not history:  # resumed a run that had already finished: measure the head it has
         history = [
@@ -310,16 +309,14 @@ def fit(
     start_epoch,
     num_steps,
     ckpt_dir,
+    stop,
 ):
     """The training loop: steps of accumulated micro-batches; log, eval and checkpoint every N steps."""
     run_dir = ckpt_dir.parent
     world, rank = accelerator.num_processes, accelerator.process_index
     accumulation, num_ttt = cfg.train.gradient_accumulation_steps, num_loss_steps(cfg)
-    stop = StopRequest()
     history, window_tokens, window_start = [], 0, time.perf_counter()
     model.train()
-    from tqdm import tqdm
-
     bar = tqdm(total=num_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
     epoch = start_epoch
     while step < num_steps:
