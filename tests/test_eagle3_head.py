@@ -264,3 +264,28 @@ def test_bad_configs_fail_clearly():
         tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="unknown"):
         Eagle3Config.from_dict({**tiny_config().to_dict(), "bogus": 1})
+
+
+def test_qwen3_target_config_composes_and_trains():
+    # Qwen3 targets (q/k norms, explicit head_dim) get the Llama-style EAGLE-3 layer vLLM serves for them.
+    from transformers import Qwen3Config
+
+    from train.ttt import ttt_loss
+
+    target = Qwen3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1e6,
+    )  # fmt: skip
+    config = Eagle3Config.from_target_config(target, aux_layer_ids=[1, 3, 4], draft_vocab_size=200)
+    assert (config.head_dim, config.num_key_value_heads, config.rope_theta) == (32, 2, 1e6)
+    draft = random_draft(config)
+    torch.manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, 300, (2, 16)),
+        "loss_mask": torch.ones(2, 16, dtype=torch.bool),
+        "aux_hidden": torch.randn(2, 16, 3, 64),
+        "final_hidden": torch.randn(2, 16, 64),
+    }
+    loss, _ = ttt_loss(draft, batch, 3, 0.8, torch.randn(300, 64), torch.arange(200), 64)
+    loss.backward()
+    assert torch.isfinite(loss) and draft.fc.weight.grad.abs().sum() > 0
