@@ -1,7 +1,7 @@
 # One command per job; each sets up what it needs from nothing (a virtual environment in .venv).
 #   make test     the default test suite (CPU, nothing downloaded at run time)
 #   make smoke    every stage that exists on the tiny smoke target
-#   make bench    data_prep throughput and disk benchmarks (smoke target and SmolLM2-135M)
+#   make bench    data_prep and train benchmarks (smoke target and SmolLM2-135M)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -40,6 +40,10 @@ smoke: setup
 bench: setup
 	$(PY) data_prep/benchmark.py --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/benchmark.py --num-samples 32 --repeats 3 --out runs/bench/data_prep_smollm2.json -- run_dir=runs/bench/smollm2
+	$(PY) data_prep/main.py experiment=smoke run_dir=runs/bench/smoke
+	$(PY) train/benchmark.py --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+	$(PY) data_prep/main.py run_dir=runs/bench/tb_smol data.num_samples=24 render.max_length=512
+	$(PY) train/benchmark.py --num-batches 4 --repeats 3 --out runs/bench/train_smollm2.json -- run_dir=runs/bench/tb_smol train.batch_size=2
 
 clean:
 	rm -rf $(VENV) runs

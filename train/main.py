@@ -22,6 +22,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from accelerate.utils import DistributedDataParallelKwargs
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -194,6 +195,8 @@ class StopRequest:
 def run(cfg: DictConfig) -> dict:
     """Train the head; returns the final held-out metrics."""
     accelerator = make_accelerator(
+        # The target's lm_head is a buffer, identical on every rank: DDP need not re-send it each step.
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         mixed_precision=cfg.train.mixed_precision,
         log_with="wandb" if cfg.train.report_to == "wandb" else None,
         project_dir=cfg.run_dir,
