@@ -8,6 +8,7 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import InitProcessGroupKwargs
 
 
 def make_accelerator(**kwargs) -> Accelerator:
@@ -21,16 +22,23 @@ def make_accelerator(**kwargs) -> Accelerator:
     # The process group (PartialState) is kept.
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    # Asking for the CPU would silently switch a requested DeepSpeed run to plain DDP; don't.
+    # Asking for the CPU would silently switch a requested DeepSpeed run to plain DDP; instead name the
+    # CPU backend, without which accelerate counts one process per rank under DeepSpeed on CPU.
     wants_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not wants_deepspeed, **kwargs)
+    on_cpu = not torch.cuda.is_available()
+    if wants_deepspeed and on_cpu:
+        kwargs["kwargs_handlers"] = [
+            *kwargs.get("kwargs_handlers", []),
+            InitProcessGroupKwargs(backend="gloo"),
+        ]
+    accelerator = Accelerator(cpu=on_cpu and not wants_deepspeed, **kwargs)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world != accelerator.num_processes:
         # Seen with DeepSpeed on CPU: every rank believes it is alone, so each would train on all the data.
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} process(es) but torch.distributed has {world} "
-            f"({accelerator.distributed_type}); each rank would work alone. DeepSpeed needs GPUs here; on CPU "
-            "use plain DDP: `torchrun --nproc_per_node N <stage>/main.py ...` without ACCELERATE_USE_DEEPSPEED."
+            f"({accelerator.distributed_type}); each rank would work alone. Check the launcher's settings "
+            "(on CPU: `torchrun --nproc_per_node N <stage>/main.py ...`)."
         )
     return accelerator
 

@@ -22,17 +22,16 @@ from pathlib import Path
 
 import hydra
 import torch
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/main.py` from anywhere
 
-from eagle import eagle1, eagle3  # noqa: E402
 from eagle.cache import CacheSplit  # noqa: E402
 from eagle.config import register_configs  # noqa: E402
 from eagle.eagle1 import Eagle1Config, Eagle1Draft  # noqa: E402
-from eagle.eagle3 import Eagle3Config, Eagle3Draft  # noqa: E402
+from eagle.eagle3 import EXCLUDED_FROM_EXPORT, Eagle3Config, Eagle3Draft  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
 from eagle.manifest import read_manifest  # noqa: E402
 from eagle.target import load_config, load_embedding_and_lm_head, target_dir, weights_hash  # noqa: E402
@@ -233,6 +232,15 @@ def run(cfg: DictConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, num_steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
     )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # DeepSpeed does the accumulating and clipping itself: give it this run's numbers, not "auto".
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        ds_config["gradient_accumulation_steps"] = accumulation
+        ds_config["train_batch_size"] = cfg.train.batch_size * accumulation * world
+        ds_config["gradient_clipping"] = cfg.optim.max_grad_norm
+        # ZeRO-3: gather the sharded weights when the final head is written.
+        ds_config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     # The scheduler is stepped by hand once per optimizer step (accelerate would step it once per process).
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
@@ -279,11 +287,14 @@ def run(cfg: DictConfig) -> dict:
             }
         ]
     final_eval = history[-1]
+    # On every rank: under ZeRO-3 the parameters are sharded and gathered here.
+    state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         head = accelerator.unwrap_model(model).draft
+        exported = {k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")}
         save_head(
             run_dir / "draft_head",
-            (eagle3 if cfg.head.kind == "eagle3" else eagle1).exported_state_dict(head),
+            {k: v for k, v in exported.items() if k not in EXCLUDED_FROM_EXPORT},
             cache_dir / "vocab.safetensors",
             {
                 "kind": cfg.head.kind,
@@ -318,6 +329,7 @@ def fit(
     run_dir = ckpt_dir.parent
     world, rank = accelerator.num_processes, accelerator.process_index
     accumulation, num_ttt = cfg.train.gradient_accumulation_steps, num_loss_steps(cfg)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     history, window_tokens, window_start = [], 0, time.perf_counter()
     model.train()
     bar = tqdm(total=num_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
@@ -338,9 +350,12 @@ def fit(
             step_metrics = torch.zeros(3, num_ttt, device=accelerator.device)  # loss sum, valid, correct
             for index, batch in enumerate(batches):
                 sync = index == len(batches) - 1
+                if deepspeed:  # DeepSpeed steps (and clips) inside backward at the accumulation boundary
+                    accelerator.gradient_state._set_sync_gradients(sync)
                 with accelerator.autocast(), accelerator.no_sync(model) if not sync else nullcontext():
                     loss, metrics = model(batch, denominator)
-                    accelerator.backward(loss)
+                    # DeepSpeed divides by its accumulation steps; the loss is already a global-batch mean.
+                    accelerator.backward(loss * accumulation if deepspeed else loss)
                 for k in range(num_ttt):
                     n = metrics[f"num_valid_{k}"].float()
                     step_metrics[:, k] += torch.stack(
