@@ -247,3 +247,30 @@ def test_deepspeed_zero_on_two_cpu_ranks_equals_one_process(train_run, tmp_path,
     for name in one:
         torch.testing.assert_close(two[name], one[name], atol=5e-5, rtol=1e-4, msg=name)
     assert step_losses(ds_dir) == pytest.approx(step_losses(train_run), rel=1e-4)
+
+
+def test_gradient_accumulation_equals_the_larger_batch(train_run, tmp_path):
+    run(train_config(train_run, "train.batch_size=4", "train.max_steps=3"))
+    accumulated = tmp_path / "accumulated"
+    shutil.copytree(train_run, accumulated, ignore=shutil.ignore_patterns("ckpt", "draft_head", "train_*"))
+    run(
+        train_config(
+            accumulated, "train.batch_size=2", "train.gradient_accumulation_steps=2", "train.max_steps=3"
+        )
+    )
+    one = load_file(str(train_run / "draft_head" / "model.safetensors"))
+    two = load_file(str(accumulated / "draft_head" / "model.safetensors"))
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "zero3"])
+def test_accelerate_config_files_load(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(REPO / "conf" / "accelerate" / f"{name}.yaml"))
+    assert config.mixed_precision == "bf16" and config.num_processes == 8
+    if name != "ddp":
+        assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == int(
+            name[-1]
+        )
