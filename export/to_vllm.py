@@ -1,8 +1,12 @@
 """Write a trained head in the formats vLLM 0.32 loads as they are (DESIGN.md section 5).
 
-EAGLE-3, plain format: `architectures: [LlamaForCausalLMEagle3]`, flat tensor names (`fc`, `layers.0.*`,
-`norm`, `lm_head`), `d2t` only when the draft vocabulary is pruned, layer ids at the top level AND
-`num_aux_hidden_states` (the Llama head sizes `fc` from the latter), every norm flag explicit.
+Both EAGLE-3 formats share the weights file: flat tensor names (`fc`, `layers.0.*`, `norm`, `lm_head`),
+`d2t` only when the draft vocabulary is pruned, no `fc.bias`, no embedding (vLLM shares the target's).
+- plain: `architectures: [LlamaForCausalLMEagle3]`, layer ids at the top level AND `num_aux_hidden_states`
+  (the Llama head sizes `fc` from the latter), `norm_before_residual` explicit (missing means false).
+- speculators: `speculators_model_type: eagle3`, the layer config under `transformer_layer_config`, the
+  proposal and verifier under `speculators_config`, and every norm flag explicit (a missing
+  `norm_before_residual` means TRUE in this format).
 """
 
 from __future__ import annotations
@@ -48,8 +52,54 @@ def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
     }
 
 
-def export_eagle3_plain(head_dir: Path, out_dir: Path, target_config, dtype: str = "bfloat16") -> Path:
+def eagle3_speculators_config(
+    head_config: dict, target_config, dtype: str, target_path: str, num_speculative_tokens: int
+) -> dict:
+    """config.json of the speculators format."""
+    layer = eagle3_plain_config(head_config, target_config, dtype)
+    for key in (
+        "architectures",
+        "draft_vocab_size",
+        "norm_before_residual",
+        "eagle_aux_hidden_state_layer_ids",
+    ):
+        layer.pop(key)
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": head_config["draft_vocab_size"],
+        "target_hidden_size": target_config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(head_config["aux_layer_ids"]),
+        "norm_before_residual": head_config["norm_before_residual"],
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": target_path,
+                "architectures": list(target_config.architectures or []),
+            },
+        },
+        "torch_dtype": dtype,
+    }
+
+
+def export_eagle3(
+    head_dir: Path,
+    out_dir: Path,
+    target_config,
+    dtype: str = "bfloat16",
+    fmt: str = "speculators",
+    target_path: str = "",
+    num_speculative_tokens: int = 3,
+) -> Path:
     """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically."""
+    if fmt not in ("speculators", "plain"):
+        raise ValueError(f"format={fmt!r}: choose speculators or plain")
     head_config = json.loads((head_dir / "draft_config.json").read_text())
     if head_config["kind"] != "eagle3":
         raise ValueError(f"{head_dir}: a {head_config['kind']} head, not eagle3")
@@ -68,9 +118,11 @@ def export_eagle3_plain(head_dir: Path, out_dir: Path, target_config, dtype: str
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(
-        json.dumps(eagle3_plain_config(c, target_config, dtype), indent=2) + "\n"
-    )
+    if fmt == "plain":
+        config = eagle3_plain_config(c, target_config, dtype)
+    else:
+        config = eagle3_speculators_config(c, target_config, dtype, target_path, num_speculative_tokens)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

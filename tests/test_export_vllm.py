@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from export.to_vllm import export_eagle3_plain
+from export.to_vllm import export_eagle3
 from tests.conftest import smoke_config
 from train.main import run as train
 
@@ -23,7 +23,7 @@ def trained_run(smoke_run, tmp_path_factory):
 
 def test_plain_eagle3_export_has_exactly_what_vllm_reads(trained_run):
     target_config = AutoConfig.from_pretrained(trained_run / "smoke_target")
-    out = export_eagle3_plain(trained_run / "draft_head", trained_run / "head_plain", target_config)
+    out = export_eagle3(trained_run / "draft_head", trained_run / "head_plain", target_config, fmt="plain")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and config["num_aux_hidden_states"] == 3
@@ -40,17 +40,41 @@ def test_export_refuses_a_head_for_another_target(trained_run):
     other = AutoConfig.from_pretrained(trained_run / "smoke_target")
     other.hidden_size = 512
     with pytest.raises(ValueError, match=r"trained for hidden_size=256.*target has 512"):
-        export_eagle3_plain(trained_run / "draft_head", trained_run / "head_other", other)
+        export_eagle3(trained_run / "draft_head", trained_run / "head_other", other)
 
 
-def test_vllm_loads_the_export_and_drafts_with_it(trained_run):
-    vllm = pytest.importorskip("vllm")
+def test_speculators_export_states_every_norm_flag(trained_run):
     target_config = AutoConfig.from_pretrained(trained_run / "smoke_target")
-    out = export_eagle3_plain(
-        trained_run / "draft_head", trained_run / "head_plain_fp32", target_config, "float32"
+    out = export_eagle3(trained_run / "draft_head", trained_run / "head_spec", target_config, target_path="t")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    # In this format a missing norm_before_residual means TRUE: it must be written.
+    flags = {k: config[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    assert flags == {
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+    }
+    assert config["transformer_layer_config"]["num_aux_hidden_states"] == 3
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "t"
+
+
+@pytest.mark.parametrize("fmt", ["plain", "speculators"])
+def test_vllm_loads_the_export_and_drafts_with_it(trained_run, fmt):
+    vllm = pytest.importorskip("vllm")
+    target_dir = trained_run / "smoke_target"
+    target_config = AutoConfig.from_pretrained(target_dir)
+    out = export_eagle3(
+        trained_run / "draft_head",
+        trained_run / f"head_{fmt}_fp32",
+        target_config,
+        "float32",
+        fmt,
+        str(target_dir),
     )
     llm = vllm.LLM(
-        model=str(trained_run / "smoke_target"), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
+        model=str(target_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
         max_model_len=1024, disable_log_stats=False,
         speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3},
     )  # fmt: skip
