@@ -33,6 +33,15 @@ def step_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "train_steps.jsonl").open())}
 
 
+def assert_same_head(expected_run, run_dir, atol: float) -> None:
+    """The final heads of two runs hold the same tensors, equal up to float summation order."""
+    expected = load_file(str(expected_run / "draft_head" / "model.safetensors"))
+    found = load_file(str(run_dir / "draft_head" / "model.safetensors"))
+    assert found.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name], atol=atol, rtol=1e-4, msg=name)
+
+
 @pytest.fixture
 def train_run(smoke_run, tmp_path):
     """A fresh run directory holding the smoke target and its finished cache."""
@@ -94,11 +103,7 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(train_run
         json.loads((ddp_dir / "draft_head" / "draft_config.json").read_text())["training"]["num_processes"]
         == 2
     )
-    one = load_file(str(train_run / "draft_head" / "model.safetensors"))
-    two = load_file(str(ddp_dir / "draft_head" / "model.safetensors"))
-    assert one.keys() == two.keys()
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=2e-5, rtol=1e-4, msg=name)
+    assert_same_head(train_run, ddp_dir, atol=2e-5)
     assert step_losses(ddp_dir) == pytest.approx(step_losses(train_run), rel=1e-4)
 
 
@@ -241,11 +246,7 @@ def test_deepspeed_zero_on_two_cpu_ranks_equals_one_process(train_run, tmp_path,
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 processes" in result.stderr
-    one = load_file(str(train_run / "draft_head" / "model.safetensors"))
-    two = load_file(str(ds_dir / "draft_head" / "model.safetensors"))
-    assert one.keys() == two.keys()
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=5e-5, rtol=1e-4, msg=name)
+    assert_same_head(train_run, ds_dir, atol=5e-5)
     assert step_losses(ds_dir) == pytest.approx(step_losses(train_run), rel=1e-4)
 
 
@@ -258,10 +259,7 @@ def test_gradient_accumulation_equals_the_larger_batch(train_run, tmp_path):
             accumulated, "train.batch_size=2", "train.gradient_accumulation_steps=2", "train.max_steps=3"
         )
     )
-    one = load_file(str(train_run / "draft_head" / "model.safetensors"))
-    two = load_file(str(accumulated / "draft_head" / "model.safetensors"))
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=2e-5, rtol=1e-4, msg=name)
+    assert_same_head(train_run, accumulated, atol=2e-5)
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2", "zero3"])
