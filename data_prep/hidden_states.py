@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from eagle.cache import read_complete_shard_info, shard_path, write_shard
+from eagle.target import capture_aux_states
 
 log = logging.getLogger(__name__)
 
@@ -54,28 +54,6 @@ def plan_batches(indices: list[int], lengths: list[int], max_tokens_per_batch: i
     if current:
         batches.append(current)
     return batches
-
-
-@contextmanager
-def capture_aux_states(model, aux_layer_ids: list[int]):
-    """Record the residual stream entering decoder layer i for each aux id (id L: entering the final norm)."""
-    decoder = model.model
-    num_layers = len(decoder.layers)
-    captured: dict[int, torch.Tensor] = {}
-
-    def recorder(layer_id):
-        def hook(module, args, kwargs):
-            captured[layer_id] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    modules = {i: (decoder.layers[i] if i < num_layers else decoder.norm) for i in aux_layer_ids}
-    handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, m in modules.items()]
-    try:
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @torch.inference_mode()

@@ -128,14 +128,20 @@ class Eagle1Attention(nn.Module):
         self.v_proj = nn.Linear(h, g * d, bias=False)
         self.o_proj = nn.Linear(n * d, h, bias=False)
 
-    def forward(self, x_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> Tensor:
+    def project(self, x_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries [B, N, T, D], rotated keys and values [B, G, T, D]."""
         b, t, _ = x_BTH.shape
         q_BNTD = self.q_proj(x_BTH).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k_BGTD = self.k_proj(x_BTH).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_BGTD = self.v_proj(x_BTH).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q_BNTD, k_BGTD = apply_rope(q_BNTD, cos_BTD, sin_BTD), apply_rope(k_BGTD, cos_BTD, sin_BTD)
-        attn_BNTD = causal_attention(q_BNTD, k_BGTD, v_BGTD)
+        return apply_rope(q_BNTD, cos_BTD, sin_BTD), apply_rope(k_BGTD, cos_BTD, sin_BTD), v_BGTD
+
+    def output(self, attn_BNTD: Tensor) -> Tensor:
+        b, _, t, _ = attn_BNTD.shape
         return self.o_proj(attn_BNTD.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def forward(self, x_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> Tensor:
+        return self.output(causal_attention(*self.project(x_BTH, cos_BTD, sin_BTD)))
 
 
 class Eagle1DecoderLayer(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -146,3 +147,25 @@ def load_embedding_and_lm_head(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     embed = read(embed_name)
     lm_head = read("lm_head.weight") if "lm_head.weight" in files else embed
     return embed, lm_head
+
+
+@contextmanager
+def capture_aux_states(model, aux_layer_ids: list[int]):
+    """Record the residual stream entering decoder layer i for each aux id (id L: entering the final norm)."""
+    decoder = model.model
+    num_layers = len(decoder.layers)
+    captured: dict[int, torch.Tensor] = {}
+
+    def recorder(layer_id):
+        def hook(module, args, kwargs):
+            captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    modules = {i: (decoder.layers[i] if i < num_layers else decoder.norm) for i in aux_layer_ids}
+    handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, m in modules.items()]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()

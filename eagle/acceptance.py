@@ -1,0 +1,108 @@
+"""Speculative-decoding acceptance counts and the metrics derived from them (DESIGN.md section 6).
+
+The counts are vLLM's, per verify step: one draft (a chain of k proposed tokens), k draft tokens, `a`
+accepted tokens (the target's bonus token excluded) and +1 at every position i < a. The reference decoder
+(`eagle/reference_decoder.py`) and vLLM's counters (`llm.get_metrics()`, a server's `/metrics`) fill the
+same structure, so the two are compared field by field.
+
+Two acceptance numbers describe one phenomenon; their names here are unambiguous:
+- mean acceptance length = 1 + accepted / drafts (tokens per verify step, bonus included);
+- draft acceptance rate = accepted / draft tokens;
+- per-position acceptance p_i = accepted_at[i] / drafts (unconditional); conditional = p_i / p_(i-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+VLLM_PREFIX = "vllm:spec_decode_"
+
+
+@dataclass
+class AcceptanceCounts:
+    num_drafts: int = 0  # verify steps that carried drafts
+    num_draft_tokens: int = 0  # proposed tokens
+    num_accepted_tokens: int = 0  # accepted proposed tokens (bonus excluded)
+    accepted_per_position: list[int] = field(
+        default_factory=list
+    )  # [i]: drafts whose position i was accepted
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verify step: `num_draft_tokens` proposed, the first `num_accepted` of them accepted."""
+        assert 0 <= num_accepted <= num_draft_tokens
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def __add__(self, other: AcceptanceCounts) -> AcceptanceCounts:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
+        return AcceptanceCounts(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            [a + b for a, b in zip(mine, theirs)],
+        )
+
+    def __sub__(self, earlier: AcceptanceCounts) -> AcceptanceCounts:
+        """The counts between two readings of cumulative counters (`self` read after `earlier`)."""
+        negated = AcceptanceCounts(
+            -earlier.num_drafts,
+            -earlier.num_draft_tokens,
+            -earlier.num_accepted_tokens,
+            [-c for c in earlier.accepted_per_position],
+        )
+        return self + negated
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+    @property
+    def per_position(self) -> list[float]:
+        """Unconditional p_i: the share of drafts whose first i+1 tokens were all accepted."""
+        return [c / self.num_drafts if self.num_drafts else float("nan") for c in self.accepted_per_position]
+
+    @property
+    def conditional_per_position(self) -> list[float]:
+        """p_i / p_(i-1): acceptance at position i given positions < i were accepted."""
+        counts = [self.num_drafts, *self.accepted_per_position]
+        return [b / a if a else float("nan") for a, b in zip(counts, counts[1:])]
+
+    def summary(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "per_position_acceptance": self.per_position,
+            "conditional_per_position_acceptance": self.conditional_per_position,
+        }
+
+    @classmethod
+    def from_vllm_metrics(cls, metrics) -> AcceptanceCounts:
+        """From `vllm.LLM.get_metrics()` (cumulative since the engine started).
+
+        The offline API names the counters without Prometheus' `_total` suffix; a server's `/metrics`
+        text adds it (eval parses that text and strips the suffix before calling this).
+        """
+        by_name = {m.name.removesuffix("_total"): m for m in metrics}
+        if f"{VLLM_PREFIX}num_drafts" not in by_name:
+            return cls()  # no speculative decoding configured, or no step ran yet
+        return cls(
+            int(by_name[f"{VLLM_PREFIX}num_drafts"].value),
+            int(by_name[f"{VLLM_PREFIX}num_draft_tokens"].value),
+            int(by_name[f"{VLLM_PREFIX}num_accepted_tokens"].value),
+            [int(v) for v in by_name[f"{VLLM_PREFIX}num_accepted_tokens_per_pos"].values],
+        )
