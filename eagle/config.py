@@ -131,6 +131,23 @@ class TrainConfig:
 
 
 @dataclass
+class ExportConfig:
+    head_dir: str | None = None  # the trained head to export (None: <run_dir>/draft_head)
+    out_dir: str | None = None  # where the export goes (None: <run_dir>/export)
+    format: str = "speculators"  # EAGLE-3: speculators | plain; an EAGLE-1 head is always a plain Llama
+    dtype: str = "bfloat16"  # weight dtype written: bfloat16 | float16 | float32
+    num_speculative_tokens: int = 3  # k written into the speculators config and decoded by verify
+    verify: bool = False  # prove it in vLLM: load + generate, then acceptance parity with the reference
+    verify_num_prompts: int = 8  # held-out prompts (the cache's eval split, first user turn) both decode
+    verify_max_new_tokens: int = 64  # tokens generated per prompt
+    verify_dtype: str = "float32"  # compute dtype of vLLM and the reference (parity is tight in fp32)
+    verify_tolerance: float = 0.02  # max gap: relative on mean acceptance length, absolute per position
+    vllm_kwargs: dict[str, Any] = field(
+        default_factory=dict
+    )  # extra `vllm.LLM(...)` arguments for the verification (e.g. gpu_memory_utilization)
+
+
+@dataclass
 class PipelineConfig:
     """One config for every stage, so one experiment file and the same overrides drive them all."""
 
@@ -144,6 +161,7 @@ class PipelineConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def register_configs() -> None:

@@ -7,6 +7,13 @@ Both EAGLE-3 formats share the weights file: flat tensor names (`fc`, `layers.0.
 - speculators: `speculators_model_type: eagle3`, the layer config under `transformer_layer_config`, the
   proposal and verifier under `speculators_config`, and every norm flag explicit (a missing
   `norm_before_residual` means TRUE in this format).
+EAGLE-1 is a plain one-layer Llama config (`architectures: [LlamaForCausalLM]`; vLLM's `method: eagle` maps
+it to its EAGLE Llama) with `fc` and `layers.0.*` minus `input_layernorm`, and no `norm` or `lm_head`: any
+of the three is a load error.
+
+`read_export` loads an export back into the project's head classes (the round trip the tests check).
+
+    python export/main.py run_dir=runs/default             # the Hydra stage; this module is its library
 """
 
 from __future__ import annotations
@@ -19,16 +26,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle.eagle3 import EXCLUDED_FROM_EXPORT
 from eagle.vocab import load_vocab_map
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
-    """config.json of the plain EAGLE-3 format, sizes from the head and rope settings from the target."""
+def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
+    """The one-layer Llama config both formats build on: sizes from the head, RoPE/eps from the target."""
     c = head_config
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": c["hidden_size"],
         "intermediate_size": c["intermediate_size"],
@@ -38,32 +45,42 @@ def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
         "num_hidden_layers": 1,
         "hidden_act": "silu",
         "vocab_size": c["vocab_size"],
-        "draft_vocab_size": c["draft_vocab_size"],
         "rms_norm_eps": c["rms_norm_eps"],
         "rope_theta": c["rope_theta"],
         "rope_scaling": c["rope_scaling"],
         # Smaller than the target's silently disables drafting on long requests.
         "max_position_embeddings": max(c["max_position_embeddings"], target_config.max_position_embeddings),
-        "norm_before_residual": c["norm_before_residual"],
-        "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
-        "num_aux_hidden_states": len(c["aux_layer_ids"]),
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
     }
+
+
+def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
+    """config.json of the plain EAGLE-3 format."""
+    c = head_config
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **llama_layer_config(c, target_config, dtype),
+        "draft_vocab_size": c["draft_vocab_size"],
+        "norm_before_residual": c["norm_before_residual"],
+        "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
+        "num_aux_hidden_states": len(c["aux_layer_ids"]),
+    }
+
+
+def eagle1_config(head_config: dict, target_config, dtype: str) -> dict:
+    """config.json of an EAGLE-1 head: a plain one-layer Llama."""
+    return {"architectures": ["LlamaForCausalLM"], **llama_layer_config(head_config, target_config, dtype)}
 
 
 def eagle3_speculators_config(
     head_config: dict, target_config, dtype: str, target_path: str, num_speculative_tokens: int
 ) -> dict:
     """config.json of the speculators format."""
-    layer = eagle3_plain_config(head_config, target_config, dtype)
-    for key in (
-        "architectures",
-        "draft_vocab_size",
-        "norm_before_residual",
-        "eagle_aux_hidden_state_layer_ids",
-    ):
-        layer.pop(key)
+    layer = {
+        **llama_layer_config(head_config, target_config, dtype),
+        "num_aux_hidden_states": len(head_config["aux_layer_ids"]),
+    }
     return {
         "speculators_model_type": "eagle3",
         "architectures": ["Eagle3Speculator"],
@@ -88,7 +105,10 @@ def eagle3_speculators_config(
     }
 
 
-def export_eagle3(
+FORMATS = {"eagle3": ("speculators", "plain"), "eagle1": ("plain",)}
+
+
+def export_head(
     head_dir: Path,
     out_dir: Path,
     target_config,
@@ -97,32 +117,106 @@ def export_eagle3(
     target_path: str = "",
     num_speculative_tokens: int = 3,
 ) -> Path:
-    """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically."""
-    if fmt not in ("speculators", "plain"):
-        raise ValueError(f"format={fmt!r}: choose speculators or plain")
+    """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically.
+
+    EAGLE-3 heads go to `fmt` (speculators or plain); EAGLE-1 heads have one format, plain Llama.
+    """
     head_config = json.loads((head_dir / "draft_config.json").read_text())
-    if head_config["kind"] != "eagle3":
-        raise ValueError(f"{head_dir}: a {head_config['kind']} head, not eagle3")
-    c = head_config["config"]
-    if c["hidden_size"] != target_config.hidden_size or c["vocab_size"] != target_config.vocab_size:
-        raise ValueError(
-            f"{head_dir} was trained for hidden_size={c['hidden_size']}, vocab_size={c['vocab_size']}; the "
-            f"target has {target_config.hidden_size}, {target_config.vocab_size}"
-        )
+    kind, c = head_config["kind"], head_config["config"]
+    if kind not in FORMATS:
+        raise ValueError(f"{head_dir}/draft_config.json: unknown head kind {kind!r}")
+    if kind == "eagle1":
+        fmt = "plain"
+    if fmt not in FORMATS[kind]:
+        raise ValueError(f"format={fmt!r}: an {kind} head exports to {' or '.join(FORMATS[kind])}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    check_head_fits_target(head_dir, c, target_config)
     weights = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(head_dir / "model.safetensors")).items()}
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
-    vocab = load_vocab_map(head_dir / "vocab.safetensors")
-    if vocab.d2t is not None:  # only when pruned: vLLM refuses a d2t it does not need
-        weights["d2t"] = vocab.d2t.to(torch.int64)
+    if kind == "eagle3":
+        vocab = load_vocab_map(head_dir / "vocab.safetensors")
+        if vocab.d2t is not None:  # only when pruned: vLLM refuses a d2t it does not need
+            weights["d2t"] = vocab.d2t.to(torch.int64)
+        if fmt == "plain":
+            config = eagle3_plain_config(c, target_config, dtype)
+        else:
+            config = eagle3_speculators_config(c, target_config, dtype, target_path, num_speculative_tokens)
+    else:
+        config = eagle1_config(c, target_config, dtype)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    if fmt == "plain":
-        config = eagle3_plain_config(c, target_config, dtype)
-    else:
-        config = eagle3_speculators_config(c, target_config, dtype, target_path, num_speculative_tokens)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def check_head_fits_target(head_dir: Path, head_config: dict, target_config) -> None:
+    """Refuse a head trained for another target: vLLM would fail on a shape, or worse, load it."""
+    wanted = {
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "head_dim": getattr(target_config, "head_dim", None)
+        or target_config.hidden_size // target_config.num_attention_heads,
+    }
+    wrong = [f"{k}={head_config[k]} (target: {v})" for k, v in wanted.items() if head_config[k] != v]
+    too_deep = [i for i in head_config.get("aux_layer_ids", []) if i > target_config.num_hidden_layers]
+    if too_deep:
+        wrong.append(f"aux_layer_ids {too_deep} (target has {target_config.num_hidden_layers} layers)")
+    if wrong:
+        raise ValueError(f"{head_dir} was trained for another target: " + ", ".join(wrong))
+
+
+def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
+    """An export loaded back into the project's head class, in fp32: (draft, draft_to_target or None).
+
+    Reads only what vLLM reads (config.json and model.safetensors), so a field the writer drops or
+    misnames shows up as a different head here.
+    """
+    from eagle.eagle1 import Eagle1Config, Eagle1Draft
+    from eagle.eagle3 import Eagle3Config, Eagle3Draft
+
+    config = json.loads((export_dir / "config.json").read_text())
+    weights = load_file(str(export_dir / "model.safetensors"))
+    d2t = weights.pop("d2t", None)
+    if "speculators_model_type" in config:
+        layer = config["transformer_layer_config"]
+        flags = config
+    else:
+        layer = flags = config
+    sizes = {
+        k: layer[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "max_position_embeddings",
+        )
+    }
+    if "fc.weight" in weights and "lm_head.weight" in weights:
+        draft = Eagle3Draft(
+            Eagle3Config(
+                **sizes,
+                draft_vocab_size=flags["draft_vocab_size"],
+                aux_layer_ids=flags["eagle_aux_hidden_state_layer_ids"],
+                norm_before_residual=flags["norm_before_residual"],
+            )
+        )
+    else:
+        draft = Eagle1Draft(Eagle1Config(**sizes))
+    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    missing = [k for k in missing if k not in EXCLUDED_FROM_EXPORT]
+    if missing or unexpected:
+        raise ValueError(f"{export_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
+    draft.load_target_embedding(target_embedding_VH.float())
+    draft_to_target = None if d2t is None else torch.arange(len(d2t)) + d2t
+    return draft.float().eval(), draft_to_target

@@ -11,9 +11,11 @@ from eagle.config import compose
 REPO = Path(__file__).resolve().parent.parent
 
 
-def smoke_config(run_dir, *overrides):
+def smoke_config(run_dir, *overrides, experiment="smoke"):
     # One CPU thread: bitwise-equal results between in-process runs and torchrun workers (which get 1).
-    return compose("config", ["experiment=smoke", f"run_dir={run_dir}", "cache.num_threads=1", *overrides])
+    return compose(
+        "config", [f"experiment={experiment}", f"run_dir={run_dir}", "cache.num_threads=1", *overrides]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +33,19 @@ def smoke_run(tmp_path_factory, smoke_target_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("smoke_run")
     shutil.copytree(smoke_target_dir, run_dir / "smoke_target")
     run(smoke_config(run_dir))
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def regen_run(tmp_path_factory, smoke_target_dir) -> Path:
+    """A smoke cache whose answers the smoke target regenerated through vLLM (experiment=smoke_regen):
+    data a head learns to draft well. Read-only, like smoke_run."""
+    pytest.importorskip("vllm")
+    from data_prep.main import run
+
+    run_dir = tmp_path_factory.mktemp("regen_run")
+    shutil.copytree(smoke_target_dir, run_dir / "smoke_target")
+    run(smoke_config(run_dir, experiment="smoke_regen"))
     return run_dir
 
 

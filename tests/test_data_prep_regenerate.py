@@ -15,12 +15,12 @@ from tests.conftest import REPO, smoke_config
 pytest.importorskip("vllm")
 
 
-def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
+def test_answers_are_the_targets_own_greedy_answers(regen_run, tmp_path):
     run_dir = tmp_path / "regen"
-    shutil.copytree(smoke_run / "smoke_target", run_dir / "smoke_target")
-    manifest = run(smoke_config(run_dir, "regen.enabled=true", "regen.max_new_tokens=12"))
+    shutil.copytree(regen_run, run_dir)  # built by experiment=smoke_regen (regen.max_new_tokens=128)
+    manifest = read_manifest(run_dir / "cache")
 
-    assert manifest["regeneration"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "seed": 0}
+    assert manifest["regeneration"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 128, "seed": 0}
     record = manifest["regeneration_record"]
     assert sum(v for k, v in record.items() if k.startswith("finish_")) >= 64  # every answer of every turn
     assert record["vllm_version"] == "0.32.0" and list(record["files"]) == ["part-00000-of-00001.json"]
@@ -44,7 +44,7 @@ def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
         prompt = tokenizer.apply_chat_template(
             messages[:first_answer], add_generation_prompt=True, return_tensors="pt"
         )
-        out = target.generate(**prompt, max_new_tokens=12, do_sample=False)
+        out = target.generate(**prompt, max_new_tokens=128, do_sample=False)
         expected = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
         assert messages[first_answer]["content"] == expected
 
@@ -55,6 +55,6 @@ def test_answers_are_the_targets_own_greedy_answers(smoke_run, tmp_path):
     assert eval_conversations[0]["messages"][-1]["content"] in answer_text
 
     # A rerun reuses the regenerated answers (no second vLLM start) and the finished cache.
-    again = run(smoke_config(run_dir, "regen.enabled=true", "regen.max_new_tokens=12"))
+    again = run(smoke_config(run_dir, experiment="smoke_regen"))
     assert again["last_run"]["train"]["num_shards_written"] == 0
     assert read_manifest(run_dir / "cache")["regeneration_record"] == record

@@ -1,34 +1,54 @@
-"""Export of an EAGLE-3 head in vLLM's plain format, and vLLM (CPU build) loading it and drafting with it."""
+"""Export: the files vLLM reads, the round trip into our head classes, the model card, and the proof in
+real vLLM (the CPU build): it loads each format, and its acceptance equals the reference decoder's -
+while a deliberately wrong export is caught by that same comparison."""
 
 import json
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from export.to_vllm import export_eagle3
+from eagle.prompts import stop_token_ids
+from eagle.reference_decoder import load_head
+from eagle.target import load_tokenizer
+from export.main import run as export
+from export.main import verification_prompts
+from export.to_vllm import export_head, read_export
+from export.verify import VerificationError, verify_export
 from tests.conftest import smoke_config
 from train.main import run as train
 
 
+def trained(source, tmp_path_factory, name, *overrides, experiment="smoke"):
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    shutil.copytree(source, run_dir)
+    train(
+        smoke_config(run_dir, "train.eval_every=0", "train.num_threads=1", *overrides, experiment=experiment)
+    )
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def trained_run(smoke_run, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("export") / "run"
-    shutil.copytree(smoke_run, run_dir)
-    train(smoke_config(run_dir, "train.max_steps=8", "train.eval_every=0", "train.num_threads=1"))
-    return run_dir
+    return trained(smoke_run, tmp_path_factory, "export", "train.max_steps=8")
+
+
+@pytest.fixture(scope="module")
+def eagle1_run(smoke_run, tmp_path_factory):
+    return trained(smoke_run, tmp_path_factory, "export1", "train.max_steps=4", "head.kind=eagle1")
 
 
 def test_plain_eagle3_export_has_exactly_what_vllm_reads(trained_run):
     target_config = AutoConfig.from_pretrained(trained_run / "smoke_target")
-    out = export_eagle3(trained_run / "draft_head", trained_run / "head_plain", target_config, fmt="plain")
+    out = export_head(trained_run / "draft_head", trained_run / "head_plain", target_config, fmt="plain")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and config["num_aux_hidden_states"] == 3
     assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 512
     assert config["max_position_embeddings"] >= target_config.max_position_embeddings
+    assert config["rope_theta"] == target_config.rope_parameters["rope_theta"]
     weights = load_file(str(out / "model.safetensors"))
     assert weights["d2t"].dtype == torch.int64 and weights["d2t"].shape == (512,)  # pruned vocabulary
     assert weights["fc.weight"].shape == (256, 3 * 256) and weights["fc.weight"].dtype == torch.bfloat16
@@ -36,16 +56,9 @@ def test_plain_eagle3_export_has_exactly_what_vllm_reads(trained_run):
     assert "fc.bias" not in weights and "embed_tokens.weight" not in weights and "t2d" not in weights
 
 
-def test_export_refuses_a_head_for_another_target(trained_run):
-    other = AutoConfig.from_pretrained(trained_run / "smoke_target")
-    other.hidden_size = 512
-    with pytest.raises(ValueError, match=r"trained for hidden_size=256.*target has 512"):
-        export_eagle3(trained_run / "draft_head", trained_run / "head_other", other)
-
-
 def test_speculators_export_states_every_norm_flag(trained_run):
     target_config = AutoConfig.from_pretrained(trained_run / "smoke_target")
-    out = export_eagle3(trained_run / "draft_head", trained_run / "head_spec", target_config, target_path="t")
+    out = export_head(trained_run / "draft_head", trained_run / "head_spec", target_config, target_path="t")
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     # In this format a missing norm_before_residual means TRUE: it must be written.
@@ -58,31 +71,172 @@ def test_speculators_export_states_every_norm_flag(trained_run):
     }
     assert config["transformer_layer_config"]["num_aux_hidden_states"] == 3
     assert config["speculators_config"]["verifier"]["name_or_path"] == "t"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
 
 
-@pytest.mark.parametrize("fmt", ["plain", "speculators"])
-def test_vllm_loads_the_export_and_drafts_with_it(trained_run, fmt):
-    vllm = pytest.importorskip("vllm")
+def test_eagle1_export_is_a_plain_one_layer_llama(eagle1_run):
+    target_config = AutoConfig.from_pretrained(eagle1_run / "smoke_target")
+    out = export_head(eagle1_run / "draft_head", eagle1_run / "head_e1", target_config, fmt="speculators")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["fc.weight"].shape == (256, 2 * 256)
+    # Each of these is a vLLM load error for an EAGLE-1 head.
+    assert not {"layers.0.input_layernorm.weight", "norm.weight", "lm_head.weight", "d2t"} & set(weights)
+
+
+def test_export_refuses_a_head_for_another_target(trained_run):
+    other = AutoConfig.from_pretrained(trained_run / "smoke_target")
+    other.hidden_size, other.num_hidden_layers = 512, 3
+    with pytest.raises(ValueError, match=r"another target: hidden_size=256 \(target: 512\).*\[4\]"):
+        export_head(trained_run / "draft_head", trained_run / "head_other", other)
+    assert not (trained_run / "head_other").exists()
+
+
+@pytest.mark.parametrize(
+    "fmt,dtype", [("plain", "float32"), ("speculators", "float32"), ("plain", "bfloat16")]
+)
+def test_round_trip_gives_the_heads_logits(trained_run, fmt, dtype):
     target_dir = trained_run / "smoke_target"
-    target_config = AutoConfig.from_pretrained(target_dir)
-    out = export_eagle3(
-        trained_run / "draft_head",
-        trained_run / f"head_{fmt}_fp32",
-        target_config,
-        "float32",
-        fmt,
-        str(target_dir),
-    )
-    llm = vllm.LLM(
-        model=str(target_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
-        max_model_len=1024, disable_log_stats=False,
-        speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3},
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    out = export_head(
+        trained_run / "draft_head", trained_run / f"rt_{fmt}_{dtype}", AutoConfig.from_pretrained(target_dir),
+        dtype, fmt,
     )  # fmt: skip
-    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    outputs = llm.generate([prompt] * 2, vllm.SamplingParams(temperature=0, max_tokens=24))
-    assert all(len(o.outputs[0].token_ids) == 24 for o in outputs)
-    metrics = {m.name: m for m in llm.get_metrics()}
-    assert metrics["vllm:spec_decode_num_drafts"].value > 0
-    assert (
-        metrics["vllm:spec_decode_num_draft_tokens"].value == 3 * metrics["vllm:spec_decode_num_drafts"].value
+    original = load_head(trained_run / "draft_head", target, weight_dtype=dtype)
+    loaded, draft_to_target = read_export(out, target.get_input_embeddings().weight)
+    assert torch.equal(draft_to_target, original.draft_to_target)
+    assert loaded.config == original.draft.config
+    torch.manual_seed(0)
+    ids, aux = torch.randint(0, 1024, (2, 12)), torch.randn(2, 12, 3, 256)
+    positions = torch.arange(12).expand(2, -1)
+    with torch.no_grad():
+        expected = original.draft.logits(original.draft(ids, original.draft.combine_aux(aux), positions))
+        got = loaded.logits(loaded(ids, loaded.combine_aux(aux), positions))
+    assert torch.equal(got, expected)
+
+
+def test_eagle1_round_trip(eagle1_run):
+    target_dir = eagle1_run / "smoke_target"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    out = export_head(
+        eagle1_run / "draft_head", eagle1_run / "rt", AutoConfig.from_pretrained(target_dir), "float32"
     )
+    original = load_head(eagle1_run / "draft_head", target)
+    loaded, draft_to_target = read_export(out, target.get_input_embeddings().weight)
+    assert draft_to_target is None
+    ids, features = torch.randint(0, 1024, (1, 9)), torch.randn(1, 9, 256)
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, features, positions), original.draft(ids, features, positions))
+
+
+def test_export_stage_writes_the_model_card(trained_run):
+    result = export(smoke_config(trained_run, "export.out_dir=" + str(trained_run / "card")))
+    out = trained_run / "card"
+    assert result == {"export_dir": str(out), "verification": None}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    card = (out / "README.md").read_text()
+    head_config = json.loads((trained_run / "draft_head" / "draft_config.json").read_text())
+    assert head_config["target"]["hash"] in card and "| optimizer steps | 8 |" in card
+    assert f"{head_config['training']['held_out']['eval/acc_0']:.4g}" in card
+    assert '--speculative-config \'{"method": "eagle3"' in card
+    assert "vLLM verification" not in card  # not verified: no claim
+
+
+def test_export_stage_names_a_missing_head(tmp_path):
+    with pytest.raises(ValueError, match=r"draft_head holds no trained head.*run train/main.py first"):
+        export(smoke_config(tmp_path))
+
+
+# ---- real vLLM (CPU build): a head that really drafts, trained on the target's own answers ----
+
+
+@pytest.fixture(scope="module")
+def regen_head(regen_run, tmp_path_factory):
+    return trained(regen_run, tmp_path_factory, "regen_head", "train.save_every=0", experiment="smoke_regen")
+
+
+@pytest.mark.parametrize("fmt,dtype", [("speculators", "bfloat16"), ("plain", "float32")])
+def test_vllm_accepts_drafts_at_the_reference_decoders_rate(regen_head, fmt, dtype):
+    out_dir = regen_head / f"export_{fmt}"
+    overrides = [
+        f"export.format={fmt}",
+        f"export.dtype={dtype}",
+        f"export.out_dir={out_dir}",
+        "export.verify=true",
+    ]
+    report = export(smoke_config(regen_head, *overrides, experiment="smoke_regen"))["verification"]
+    reference, served = report["reference"], report["vllm"]
+    # Parity is only evidence when the head really drafts.
+    assert served["mean_acceptance_length"] >= 1.5
+    assert report["parity"]["passed"] and report["parity"]["mean_acceptance_length_relative_gap"] <= 0.02
+    assert served["mean_acceptance_length"] == pytest.approx(
+        1 + served["num_accepted_tokens"] / served["num_drafts"]
+    )
+    assert served["num_draft_tokens"] == 3 * served["num_drafts"] == 3 * reference["num_drafts"]
+    # Greedy speculative decoding is lossless: both decoders produce the target's own greedy answers.
+    assert report["num_identical_outputs"] == report["num_prompts"] == 10
+    assert json.loads((out_dir / "verification.json").read_text()) == report
+    card = (out_dir / "README.md").read_text()
+    assert "Parity passed" in card and f"{served['mean_acceptance_length']:.4g}" in card
+
+
+def test_vllm_eagle1_export_loads_and_matches(regen_run, tmp_path_factory):
+    run_dir = trained(regen_run, tmp_path_factory, "regen_e1", "head.kind=eagle1", experiment="smoke_regen")
+    report = export(smoke_config(run_dir, "export.verify=true", experiment="smoke_regen"))["verification"]
+    assert report["vllm"]["num_drafts"] > 0 and report["parity"]["passed"]
+    assert report["vllm"]["accepted_per_position"] == report["reference"]["accepted_per_position"]
+
+
+def wrong_layer_ids(config: dict) -> None:
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+
+
+def flipped_norm_before_residual(config: dict) -> None:
+    config["norm_before_residual"] = not config["norm_before_residual"]
+
+
+@pytest.mark.parametrize("mistake", [wrong_layer_ids, flipped_norm_before_residual])
+def test_parity_catches_a_wrong_export(regen_head, mistake, tmp_path):
+    """The mistakes that load without error in vLLM (HF's hidden_states index off by one; the other
+    residual convention) and silently lower acceptance: the parity check must fail on them."""
+    target_dir = regen_head / "smoke_target"
+    out = export_head(
+        regen_head / "draft_head",
+        tmp_path / "wrong",
+        AutoConfig.from_pretrained(target_dir),
+        "float32",
+        "plain",
+    )
+    config = json.loads((out / "config.json").read_text())
+    mistake(config)
+    (out / "config.json").write_text(json.dumps(config))
+    cfg = smoke_config(regen_head, experiment="smoke_regen")
+    prompts = verification_prompts(
+        cfg, json.loads((regen_head / "draft_head/draft_config.json").read_text()), regen_head
+    )
+    with pytest.raises(VerificationError, match="differs from the reference decoder") as caught:
+        verify_export(
+            target_dir, regen_head / "draft_head", out, "eagle3", prompts,
+            stop_token_ids(load_tokenizer(cfg.target), target_dir), export_dtype="float32",
+            vllm_kwargs=dict(cfg.export.vllm_kwargs),
+        )  # fmt: skip
+    report = caught.value.report
+    assert report["vllm"]["mean_acceptance_length"] < report["reference"]["mean_acceptance_length"] * 0.98
+
+
+def test_a_head_vllm_refuses_fails_loudly(regen_head, tmp_path):
+    out = export_head(
+        regen_head / "draft_head", tmp_path / "bad", AutoConfig.from_pretrained(regen_head / "smoke_target"),
+        "float32", "plain",
+    )  # fmt: skip
+    weights = load_file(str(out / "model.safetensors"))
+    weights["d2t"] = weights["d2t"][:100]  # a draft vocabulary map that does not fit lm_head
+    save_file(weights, str(out / "model.safetensors"))
+    cfg = smoke_config(regen_head, experiment="smoke_regen")
+    with pytest.raises(VerificationError, match=r"vLLM 0\.32\.0 refused the export .*bad"):
+        verify_export(
+            regen_head / "smoke_target", regen_head / "draft_head", out, "eagle3", [[1, 2, 3]], [],
+            vllm_kwargs=dict(cfg.export.vllm_kwargs),
+        )  # fmt: skip

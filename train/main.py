@@ -301,9 +301,28 @@ def run(cfg: DictConfig) -> dict:
                 "config": head.config.to_dict(),
                 "target": {"path": str(cfg.target.path), "hash": cache_manifest["target_hash"]},
                 "cache": {
-                    k: cache_manifest[k] for k in ("aux_layer_ids", "tokenizer_hash", "dataset_fingerprint")
+                    "path": str(cache_dir),
+                    **{
+                        k: cache_manifest.get(k)
+                        for k in (
+                            "aux_layer_ids",
+                            "tokenizer_hash",
+                            "dataset_fingerprint",
+                            "data_source",
+                            "num_samples",
+                            "num_tokens",
+                            "regeneration",
+                        )
+                    },
                 },
-                "training": {"num_steps": num_steps, "num_processes": world, "held_out": final_eval},
+                "training": {
+                    "num_steps": num_steps,
+                    "num_processes": world,
+                    "settings": OmegaConf.to_container(
+                        OmegaConf.masked_copy(cfg, ["head", "optim", "train"]), resolve=True
+                    ),
+                    "held_out": final_eval,
+                },
             },
         )
         log.info("final head: %s", run_dir / "draft_head")

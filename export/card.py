@@ -1,0 +1,180 @@
+"""The model card (`README.md`) written beside an export: what the head is for, how it was made, what it
+measured, and the command that serves it.
+
+Every number comes from a file the pipeline wrote: the head's `draft_config.json` (target, data, training
+settings, train's held-out eval), export's `verification.json` (vLLM vs the reference decoder) and, when
+present, eval's `results.json` (its `headline` rows).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from export.verify import METHODS
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    def cell(value):
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+
+
+def held_out_section(held_out: dict) -> list[str]:
+    steps = sorted(int(k.rsplit("_", 1)[1]) for k in held_out if k.startswith("eval/acc_"))
+    rows = [
+        [k, held_out[f"eval/loss_{k}"], held_out[f"eval/acc_{k}"], held_out.get(f"eval/cond_acc_{k}", "")]
+        for k in steps
+    ]
+    lengths = [
+        f"k={k.rsplit('k', 1)[1]}: {v:.3f}"
+        for k, v in sorted(held_out.items())
+        if k.startswith("eval/accept_len")
+    ]
+    lines = [
+        f"## Held-out metrics (train's eval at step {held_out.get('step')})",
+        "",
+        *table(["TTT step", "loss", "accuracy", "accuracy given earlier steps right"], rows),
+    ]
+    if lengths:
+        lines += ["", "Offline estimate of the mean acceptance length: " + ", ".join(lengths) + "."]
+    return lines
+
+
+def verification_section(report: dict) -> list[str]:
+    parity = report["parity"]
+    rows = [
+        [
+            name,
+            r["mean_acceptance_length"],
+            r["draft_acceptance_rate"],
+            ", ".join(f"{p:.3f}" for p in r["per_position_acceptance"]),
+            r["num_drafts"],
+        ]
+        for name, r in (("reference decoder (PyTorch)", report["reference"]), ("vLLM", report["vllm"]))
+    ]
+    verdict = "passed" if parity["passed"] else "FAILED"
+    return [
+        "## vLLM verification",
+        "",
+        f"vLLM {report['vllm_version']} loaded this export and decoded {report['num_prompts']} held-out prompts "
+        f"(k={report['num_speculative_tokens']}, temperature 0, {report['max_new_tokens']} new tokens, "
+        f"{report['dtype']}); the reference decoder ran our head on the same prompts.",
+        "",
+        *table(
+            [
+                "decoder",
+                "mean acceptance length",
+                "draft acceptance rate",
+                "per-position acceptance",
+                "drafts",
+            ],
+            rows,
+        ),
+        "",
+        f"Parity {verdict}: gap {parity['mean_acceptance_length_relative_gap']:.2%} in mean acceptance length "
+        f"(tolerance {parity['tolerance']:.0%}); identical outputs for {report['num_identical_outputs']}/"
+        f"{report['num_prompts']} prompts.",
+    ]
+
+
+def eval_section(results: dict) -> list[str]:
+    rows = results.get("headline") or []
+    if not rows:
+        return []
+    header = list(rows[0])
+    return [
+        "## Serving measurements (eval)",
+        "",
+        *table(header, [[r.get(k, "") for k in header] for r in rows]),
+    ]
+
+
+def model_card(
+    head_config: dict,
+    export_config: dict,
+    fmt: str,
+    dtype: str,
+    num_speculative_tokens: int,
+    verification: dict | None = None,
+    eval_results: dict | None = None,
+) -> str:
+    kind, c = head_config["kind"], head_config["config"]
+    target, cache = head_config["target"], head_config.get("cache", {})
+    training = head_config.get("training", {})
+    settings = training.get("settings", {})
+    speculative = {
+        "method": METHODS[kind],
+        "model": "<this directory>",
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    name = "EAGLE-3" if kind == "eagle3" else "EAGLE-1"
+    lines = [
+        f"# {name} draft head for {Path(target['path']).name}",
+        "",
+        f"A one-layer {name} draft head for speculative decoding in vLLM, trained with the eagle pipeline "
+        f"on the target's own hidden states.",
+        "",
+        "```bash",
+        f"vllm serve {target['path']} --speculative-config '{json.dumps(speculative)}'",
+        "```",
+        "",
+        "## Head",
+        "",
+        *table(
+            ["field", "value"],
+            [
+                ["target", target["path"]],
+                ["target weights sha256", target.get("hash", "")],
+                ["format", f"{fmt} ({export_config.get('architectures', ['?'])[0]})"],
+                ["dtype", dtype],
+                ["hidden size", c["hidden_size"]],
+                ["draft vocabulary", f"{c.get('draft_vocab_size', c['vocab_size'])} of {c['vocab_size']}"],
+                ["aux layer ids (vLLM convention)", c.get("aux_layer_ids", "final hidden state")],
+                ["norm_before_residual", c.get("norm_before_residual", "n/a")],
+            ],
+        ),
+        "",
+        "## Data",
+        "",
+        *table(
+            ["field", "value"],
+            [
+                ["source", cache.get("data_source", "?")],
+                ["conversations (train / held out)", _pair(cache.get("num_samples"))],
+                ["tokens (train / held out)", _pair(cache.get("num_tokens"))],
+                ["answers regenerated by the target", json.dumps(cache.get("regeneration")) or "no"],
+                ["dataset fingerprint", cache.get("dataset_fingerprint", "?")],
+            ],
+        ),
+        "",
+        "## Training",
+        "",
+        *table(
+            ["field", "value"],
+            [
+                ["optimizer steps", training.get("num_steps", "?")],
+                ["processes", training.get("num_processes", "?")],
+                ["TTT steps", settings.get("head", {}).get("num_ttt_steps", "?")],
+                ["learning rate", settings.get("optim", {}).get("lr", "?")],
+                ["micro-batch per process", settings.get("train", {}).get("batch_size", "?")],
+                ["gradient accumulation", settings.get("train", {}).get("gradient_accumulation_steps", "?")],
+                ["epochs", settings.get("train", {}).get("num_epochs", "?")],
+                ["mixed precision", settings.get("train", {}).get("mixed_precision", "?")],
+                ["warm start", settings.get("train", {}).get("init_from") or "none"],
+            ],
+        ),
+    ]
+    if training.get("held_out"):
+        lines += ["", *held_out_section(training["held_out"])]
+    if verification:
+        lines += ["", *verification_section(verification)]
+    if eval_results:
+        lines += ["", *eval_section(eval_results)]
+    return "\n".join(lines) + "\n"
+
+
+def _pair(values: dict | None) -> str:
+    return f"{values.get('train', '?')} / {values.get('eval', '?')}" if values else "?"

@@ -1,0 +1,131 @@
+"""export: write the trained head in a format vLLM loads as it is, and with verify=true prove it in vLLM.
+
+    python export/main.py run_dir=runs/default                                   # speculators, bf16
+    python export/main.py run_dir=runs/default export.format=plain export.verify=true
+    python export/main.py experiment=smoke run_dir=/tmp/smoke export.verify=true
+
+Reads <run_dir>/draft_head (train) and the target; writes <run_dir>/export/ with config.json and
+model.safetensors (what vLLM reads), README.md (the model card) and, when verified, verification.json.
+The format is decided in export/to_vllm.py, the proof in export/verify.py (reference decoder:
+eagle/reference_decoder.py). Serve the result with
+    vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<run_dir>/export", ...}'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python export/main.py` from anywhere
+
+from eagle.config import register_configs  # noqa: E402
+from eagle.manifest import write_json_atomic  # noqa: E402
+from eagle.prompts import prompt_token_ids, read_conversations, stop_token_ids  # noqa: E402
+from eagle.target import load_config, load_tokenizer, target_dir, weights_hash  # noqa: E402
+from export.card import model_card  # noqa: E402
+from export.to_vllm import export_head  # noqa: E402
+from export.verify import VerificationError, verify_export  # noqa: E402
+
+log = logging.getLogger("export")
+
+
+def verification_prompts(cfg, head_config: dict, run_dir: Path) -> list[list[int]]:
+    """The first user turns of the cache's held-out conversations, chat-templated for the target."""
+    cache_dir = Path(head_config.get("cache", {}).get("path") or run_dir / "cache")
+    path = cache_dir / "eval_conversations.jsonl"
+    if not path.exists():
+        raise ValueError(
+            f"{path} is missing: verification decodes the held-out prompts data_prep wrote there"
+        )
+    tokenizer = load_tokenizer(cfg.target)
+    conversations = read_conversations(path)[: cfg.export.verify_num_prompts]
+    if not conversations:
+        raise ValueError(f"{path} holds no conversations: nothing to verify the export on")
+    return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations]
+
+
+def run(cfg: DictConfig) -> dict:
+    """Export (and verify) the head; returns {"export_dir", "verification"}."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    run_dir = Path(cfg.run_dir).resolve()
+    head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
+    out_dir = Path(cfg.export.out_dir or run_dir / "export")
+    if not (head_dir / "draft_config.json").exists():
+        raise ValueError(f"{head_dir} holds no trained head (draft_config.json): run train/main.py first")
+    head_config = json.loads((head_dir / "draft_config.json").read_text())
+    target_path = target_dir(cfg.target)
+    target_config = load_config(cfg.target)
+    recorded = head_config["target"].get("hash")
+    if recorded and recorded != weights_hash(target_path):
+        log.warning(
+            "%s was trained on other target weights (sha256 %s...) than %s: exporting anyway (same shapes)",
+            head_dir,
+            recorded[:12],
+            target_path,
+        )
+    export_head(
+        head_dir,
+        out_dir,
+        target_config,
+        cfg.export.dtype,
+        cfg.export.format,
+        str(cfg.target.path),
+        cfg.export.num_speculative_tokens,
+    )
+    fmt = "plain" if head_config["kind"] == "eagle1" else cfg.export.format
+    log.info("exported %s (%s, %s format, %s)", out_dir, head_config["kind"], fmt, cfg.export.dtype)
+
+    verification, failure = None, None
+    if cfg.export.verify:
+        prompts = verification_prompts(cfg, head_config, run_dir)
+        try:
+            verification = verify_export(
+                target_path,
+                head_dir,
+                out_dir,
+                head_config["kind"],
+                prompts,
+                stop_token_ids(load_tokenizer(cfg.target), target_path),
+                cfg.export.num_speculative_tokens,
+                cfg.export.verify_max_new_tokens,
+                cfg.export.verify_tolerance,
+                cfg.export.verify_dtype,
+                cfg.export.dtype,
+                OmegaConf.to_container(cfg.export.vllm_kwargs, resolve=True),
+            )
+        except VerificationError as error:
+            verification, failure = error.report, error
+        if verification is not None:
+            write_json_atomic(out_dir / "verification.json", verification)
+
+    eval_file = run_dir / "eval" / "results.json"
+    eval_results = json.loads(eval_file.read_text()) if eval_file.exists() else None
+    card = model_card(
+        head_config,
+        json.loads((out_dir / "config.json").read_text()),
+        fmt,
+        cfg.export.dtype,
+        cfg.export.num_speculative_tokens,
+        verification,
+        eval_results,
+    )
+    (out_dir / "README.md").write_text(card, encoding="utf-8")
+    if failure is not None:
+        raise failure
+    return {"export_dir": str(out_dir), "verification": verification}
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+register_configs()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Prove an export in vLLM: it loads, it generates, and vLLM accepts its drafts at the rate our head does.
+
+1. Load: vLLM (the installed build: CPU here, GPU for users) starts on the target with the exported head
+   and decodes greedily; a refusal is raised again with vLLM's message and the export named.
+2. Acceptance parity: the reference decoder (`eagle/reference_decoder.py`: the HF target and our trained
+   head) and vLLM decode the same prompts with the same k at temperature 0. Their acceptance counts must
+   agree within `tolerance` (relative, on the mean acceptance length; absolute, on each per-position rate).
+   In fp32 on the smoke target they agree exactly; a gap means a flag or convention differs between
+   training and serving (layer ids, norm placement, RoPE, vocabulary mapping) - the failure that loads
+   without error and silently lowers acceptance (DESIGN.md section 5).
+
+The reference uses the trained head with its weights rounded to the export's dtype, so a bf16 export is
+compared against exactly the values vLLM loads. Use `verify_export(...)`; export/main.py calls it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from eagle.acceptance import AcceptanceCounts
+from eagle.reference_decoder import load_head, speculative_generate
+
+log = logging.getLogger("export")
+METHODS = {"eagle3": "eagle3", "eagle1": "eagle"}  # head kind -> vLLM's speculative method
+
+
+class VerificationError(RuntimeError):
+    """vLLM refused the export, or its acceptance differs from the reference decoder's (`report`)."""
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+def reference_acceptance(
+    target_dir: Path,
+    head_dir: Path,
+    prompts: list[list[int]],
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    dtype: str = "float32",
+    weight_dtype: str = "float32",
+) -> tuple[list[list[int]], AcceptanceCounts]:
+    """Outputs and summed counts of the reference decoder (the HF target plus our head) on `prompts`."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from eagle.target import DTYPES
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval()
+    head = load_head(head_dir, target, weight_dtype)
+    outputs, total = [], AcceptanceCounts()
+    for prompt in tqdm(prompts, desc="reference decoder", unit="prompt"):
+        output, counts = speculative_generate(
+            target, head, prompt, num_draft_tokens, max_new_tokens, stop_ids
+        )
+        outputs.append(output)
+        total = total + counts
+    return outputs, total
+
+
+def vllm_acceptance(
+    target_dir: Path,
+    export_dir: Path,
+    kind: str,
+    prompts: list[list[int]],
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    dtype: str = "float32",
+    vllm_kwargs: dict | None = None,
+) -> tuple[list[list[int]], AcceptanceCounts]:
+    """Outputs and counters of vLLM's offline engine serving the target with the export."""
+    import vllm
+
+    speculative_config = {
+        "method": METHODS[kind],
+        "model": str(export_dir),
+        "num_speculative_tokens": num_draft_tokens,
+    }
+    try:
+        llm = vllm.LLM(
+            **{
+                **(vllm_kwargs or {}),
+                "model": str(target_dir),
+                "dtype": dtype,
+                "speculative_config": speculative_config,
+                "disable_log_stats": False,  # the acceptance counters
+            }
+        )
+    except Exception as error:
+        raise VerificationError(
+            f"vLLM {vllm.__version__} refused the export {export_dir} (speculative_config="
+            f"{speculative_config}): {type(error).__name__}: {error}. vLLM's own log above has the cause."
+        ) from error
+    try:
+        params = vllm.SamplingParams(
+            temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, stop_token_ids=stop_ids
+        )
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outputs = [list(r.outputs[0].token_ids) for r in results]
+        counts = AcceptanceCounts.from_vllm_metrics(llm.get_metrics())
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return outputs, counts
+
+
+def compare(reference: AcceptanceCounts, served: AcceptanceCounts, tolerance: float) -> dict:
+    """The gaps between the two decoders and whether they are within `tolerance`."""
+    length_gap = abs(served.mean_acceptance_length / reference.mean_acceptance_length - 1)
+    position_gaps = [abs(a - b) for a, b in zip(reference.per_position, served.per_position)]
+    return {
+        "mean_acceptance_length_relative_gap": length_gap,
+        "per_position_absolute_gaps": position_gaps,
+        "tolerance": tolerance,
+        "passed": length_gap <= tolerance and all(g <= tolerance for g in position_gaps),
+    }
+
+
+def format_report(report: dict) -> str:
+    ref, served = report["reference"], report["vllm"]
+
+    def rates(values):
+        return ", ".join(f"{v:.3f}" for v in values)
+
+    return "\n".join(
+        [
+            f"acceptance at k={report['num_speculative_tokens']}, temperature 0, {report['num_prompts']} "
+            f"held-out prompts ({report['dtype']}):",
+            f"  reference decoder: mean acceptance length {ref['mean_acceptance_length']:.4f} "
+            f"({ref['num_accepted_tokens']} accepted / {ref['num_drafts']} drafts), per-position acceptance "
+            f"[{rates(ref['per_position_acceptance'])}]",
+            f"  vLLM {report['vllm_version']}:       mean acceptance length "
+            f"{served['mean_acceptance_length']:.4f} ({served['num_accepted_tokens']} accepted / "
+            f"{served['num_drafts']} drafts), per-position acceptance "
+            f"[{rates(served['per_position_acceptance'])}]",
+            f"  gap {report['parity']['mean_acceptance_length_relative_gap']:.2%} (tolerance "
+            f"{report['parity']['tolerance']:.0%}); identical outputs for {report['num_identical_outputs']}"
+            f"/{report['num_prompts']} prompts",
+        ]
+    )
+
+
+def verify_export(
+    target_dir: Path,
+    head_dir: Path,
+    export_dir: Path,
+    kind: str,
+    prompts: list[list[int]],
+    stop_ids: list[int],
+    num_draft_tokens: int = 3,
+    max_new_tokens: int = 64,
+    tolerance: float = 0.02,
+    dtype: str = "float32",
+    export_dtype: str = "bfloat16",
+    vllm_kwargs: dict | None = None,
+) -> dict:
+    """Run both decoders; returns the report, or raises VerificationError with it in the message."""
+    import vllm
+
+    if not prompts:
+        raise ValueError("verification needs at least one prompt")
+    start = time.perf_counter()
+    served_outputs, served = vllm_acceptance(
+        target_dir, export_dir, kind, prompts, num_draft_tokens, max_new_tokens, stop_ids, dtype, vllm_kwargs
+    )
+    if served.num_drafts == 0:
+        raise VerificationError(f"vLLM loaded {export_dir} but never drafted with it (no spec-decode steps)")
+    reference_outputs, reference = reference_acceptance(
+        target_dir, head_dir, prompts, num_draft_tokens, max_new_tokens, stop_ids, dtype, export_dtype
+    )
+    report = {
+        "export_dir": str(export_dir),
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "dtype": dtype,
+        "num_speculative_tokens": num_draft_tokens,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "num_identical_outputs": sum(a == b for a, b in zip(served_outputs, reference_outputs)),
+        "reference": reference.summary(),
+        "vllm": served.summary(),
+        "parity": compare(reference, served, tolerance),
+        "seconds": time.perf_counter() - start,
+    }
+    log.info("%s", format_report(report))
+    if not report["parity"]["passed"]:
+        raise VerificationError(
+            f"vLLM's acceptance differs from the reference decoder's for {export_dir}: a flag or convention "
+            "differs between training and serving (aux layer ids, norm_before_residual, RoPE, d2t).\n"
+            + format_report(report),
+            report,
+        )
+    return report

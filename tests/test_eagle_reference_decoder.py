@@ -1,0 +1,119 @@
+"""The reference speculative decoder: lossless, vLLM's counting on hand-made cases, and the same chain
+arithmetic as training's TTT rollout."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eagle.acceptance import AcceptanceCounts
+from eagle.eagle3 import Eagle3Config, Eagle3Draft
+from eagle.reference_decoder import DraftHead, DraftState, speculative_generate
+from train.ttt import ttt_rollout
+
+
+def test_acceptance_counts_by_hand():
+    counts = AcceptanceCounts()
+    for accepted in (3, 0, 1, 2):  # k = 3
+        counts.observe(3, accepted)
+    assert counts.accepted_per_position == [3, 2, 1]
+    assert counts.mean_acceptance_length == 1 + 6 / 4
+    assert counts.draft_acceptance_rate == 6 / 12
+    assert counts.per_position == [0.75, 0.5, 0.25]
+    assert counts.conditional_per_position == [0.75, 2 / 3, 0.5]
+    later = counts + AcceptanceCounts(2, 6, 1, [1, 0, 0])
+    assert later - counts == AcceptanceCounts(2, 6, 1, [1, 0, 0])
+    assert math.isnan(AcceptanceCounts().mean_acceptance_length)
+
+
+def test_acceptance_counts_read_vllms_metric_objects():
+    reader = pytest.importorskip("vllm.v1.metrics.reader")
+    metrics = [
+        reader.Counter(name="vllm:spec_decode_num_drafts", labels={}, value=10),
+        reader.Counter(name="vllm:spec_decode_num_draft_tokens", labels={}, value=30),
+        reader.Counter(name="vllm:spec_decode_num_accepted_tokens", labels={}, value=12),
+        reader.Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels={}, values=[6, 4, 2]),
+        reader.Counter(name="vllm:prompt_tokens", labels={}, value=99),
+    ]
+    counts = AcceptanceCounts.from_vllm_metrics(metrics)
+    assert counts == AcceptanceCounts(10, 30, 12, [6, 4, 2])
+    assert counts.mean_acceptance_length == pytest.approx(2.2)
+
+
+@pytest.fixture(scope="module")
+def target_and_head(smoke_target_dir):
+    target = AutoModelForCausalLM.from_pretrained(smoke_target_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    config = Eagle3Config.from_target_config(AutoConfig.from_pretrained(smoke_target_dir), [1, 3, 4], 1024)
+    draft = Eagle3Draft(config).eval().requires_grad_(False)
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    return target, DraftHead("eagle3", draft, [1, 3, 4], torch.arange(1024), None)
+
+
+def greedy(target, prompt, n):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
+PROMPT = [5, 77, 301, 12, 9, 640, 33]
+
+
+def test_output_is_the_targets_greedy_output(target_and_head):
+    target, head = target_and_head
+    output, counts = speculative_generate(target, head, PROMPT, num_draft_tokens=3, max_new_tokens=20)
+    assert output == greedy(target, PROMPT, 20)
+    assert counts.num_drafts >= 20 // 4 and counts.num_draft_tokens == 3 * counts.num_drafts
+
+
+def test_counts_of_perfect_and_useless_drafts(target_and_head, monkeypatch):
+    target, head = target_and_head
+    truth = PROMPT + greedy(target, PROMPT, 20)
+
+    def perfect(state, out, k):
+        # state.length == the pending token's position; drafts continue after it.
+        return truth[state.length + 1 : state.length + 1 + k]
+
+    monkeypatch.setattr(DraftState, "propose", perfect)
+    output, counts = speculative_generate(target, head, PROMPT, 3, max_new_tokens=10)
+    # 1 token from the prefill, then 4 per verify step (3 accepted + bonus): 5, 9, 13 -> cut to 10.
+    assert output == truth[len(PROMPT) : len(PROMPT) + 10]
+    assert counts == AcceptanceCounts(3, 9, 9, [3, 3, 3]) and counts.mean_acceptance_length == 4.0
+
+    def useless(state, out, k):
+        return [(truth[state.length + 1] + 1) % 1024] * k  # the first draft is always wrong
+
+    monkeypatch.setattr(DraftState, "propose", useless)
+    output, counts = speculative_generate(target, head, PROMPT, 3, max_new_tokens=10)
+    assert output == truth[len(PROMPT) : len(PROMPT) + 10]
+    assert counts == AcceptanceCounts(9, 27, 0, [0, 0, 0])  # one token (the bonus) per verify step
+
+
+def test_a_stop_token_ends_the_output(target_and_head):
+    target, head = target_and_head
+    full = greedy(target, PROMPT, 20)
+    stop = full[6]
+    output, _ = speculative_generate(target, head, PROMPT, 3, max_new_tokens=20, stop_token_ids=[stop])
+    assert output == full[: full.index(stop) + 1]
+
+
+def test_the_chain_is_trainings_ttt_rollout(target_and_head):
+    """Teacher-forced, chain step i from position t equals TTT step i at t: what training optimises is what
+    the decoder (and vLLM) runs."""
+    _, head = target_and_head
+    torch.manual_seed(1)
+    num_steps, length = 3, 24
+    ids = torch.randint(0, 1024, (1, length))
+    aux_BTAH = torch.randn(1, length, 3, 256)
+    ttt_outs = ttt_rollout(head.draft, ids, aux_BTAH, num_steps)
+    for t in (0, 5, length - num_steps - 1):
+        state = DraftState(head)
+        if t > 4:  # the cache filled in two calls, as successive verify steps fill it
+            state.extend(ids[0, 1:5].tolist(), aux_BTAH[:, :4])
+        out = state.extend(ids[0, state.length + 1 : t + 2].tolist(), aux_BTAH[:, state.length : t + 1])
+        torch.testing.assert_close(out[0, 0], ttt_outs[0][0, t], atol=1e-5, rtol=1e-5)
+        past = (state.k_BGSD, state.v_BGSD)
+        for i in range(1, num_steps):
+            out, k, v = state.layer([int(ids[0, t + 1 + i])], out, t + i, past)
+            past = (k, v)
+            torch.testing.assert_close(out[0, 0], ttt_outs[i][0, t], atol=1e-5, rtol=1e-5)
