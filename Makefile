@@ -36,6 +36,7 @@ lint: setup
 smoke: setup
 	$(PY) data_prep/main.py experiment=smoke run_dir=$(RUN_DIR)
 	$(PY) train/main.py experiment=smoke run_dir=$(RUN_DIR) train.resume=auto
+	$(PY) export/main.py experiment=smoke run_dir=$(RUN_DIR) export.verify=true
 
 bench: setup
 	$(PY) data_prep/benchmark.py --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke

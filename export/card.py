@@ -36,10 +36,15 @@ def held_out_section(held_out: dict) -> list[str]:
     lines = [
         f"## Held-out metrics (train's eval at step {held_out.get('step')})",
         "",
-        *table(["TTT step", "loss", "accuracy", "accuracy given earlier steps right"], rows),
+        *table(["TTT step", "loss", "accuracy", "chain accuracy (earlier steps right)"], rows),
     ]
     if lengths:
-        lines += ["", "Offline estimate of the mean acceptance length: " + ", ".join(lengths) + "."]
+        lines += [
+            "",
+            "Offline estimate of the mean acceptance length: " + ", ".join(lengths) + ". Teacher-forced, it "
+            "weighs every position once; when serving, each chain starts where the previous one was "
+            "rejected, at the harder positions, so the measured acceptance (below) is usually lower.",
+        ]
     return lines
 
 

@@ -27,9 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle.eagle3 import EXCLUDED_FROM_EXPORT
+from eagle.target import DTYPES
 from eagle.vocab import load_vocab_map
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
