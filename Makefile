@@ -37,6 +37,7 @@ smoke: setup
 	$(PY) data_prep/main.py experiment=smoke run_dir=$(RUN_DIR)
 	$(PY) train/main.py experiment=smoke run_dir=$(RUN_DIR) train.resume=auto
 	$(PY) export/main.py experiment=smoke run_dir=$(RUN_DIR) export.verify=true
+	$(PY) eval/main.py experiment=smoke run_dir=$(RUN_DIR)
 
 bench: setup
 	$(PY) data_prep/benchmark.py --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke

@@ -148,6 +148,43 @@ class ExportConfig:
 
 
 @dataclass
+class EvalHeadConfig:
+    name: str = "head"  # label in reports (compare mode: one entry per head)
+    path: str | None = None  # export directory to serve (None: <run_dir>/export)
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # the k sweep
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING  # label in reports
+    source: str = MISSING  # chat (the cache's held-out prompts) | code (HumanEval) | path to a JSONL
+    num_prompts: int = 32  # prompts sent per measured run
+    max_tokens: int = 128  # output tokens per request
+
+
+@dataclass
+class EvalConfig:
+    heads: list[EvalHeadConfig] = field(default_factory=lambda: [EvalHeadConfig()])  # heads to serve
+    workloads: list[WorkloadConfig] = field(
+        default_factory=lambda: [WorkloadConfig("chat", "chat"), WorkloadConfig("code", "code")]
+    )  # what to send
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # requests in flight
+    baseline: bool = True  # also serve the target without speculation (speedups need it)
+    temperature: float = 0.0  # sampling temperature of every request (0: greedy)
+    ignore_eos: bool = False  # generate max_tokens even past the end of an answer
+    enable_threshold: float = 1.05  # recommend a head where its best speedup reaches this
+    out_dir: str | None = None  # report directory (None: <run_dir>/eval)
+    server_args: dict[str, Any] = field(
+        default_factory=dict
+    )  # extra `vllm serve` flags, name -> value (true: a bare flag), e.g. max-model-len: 4096
+    startup_timeout_s: float = 900.0  # wait this long for a server's /health
+    request_timeout_s: float = 600.0  # per request
+    report_to: str = "none"  # none | wandb (offline mode needs no account)
+    wandb_project: str = "eagle-heads"  # W&B project name
+    wandb_mode: str = "offline"  # offline | online
+
+
+@dataclass
 class PipelineConfig:
     """One config for every stage, so one experiment file and the same overrides drive them all."""
 
@@ -162,6 +199,7 @@ class PipelineConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_configs() -> None:

@@ -97,6 +97,27 @@ def eval_section(results: dict) -> list[str]:
     ]
 
 
+def write_model_card(
+    export_dir: Path, head_dir: Path, num_speculative_tokens: int, eval_results=None
+) -> Path:
+    """README.md of an export from the files beside it (export runs this, and eval again with its results)."""
+    export_config = json.loads((export_dir / "config.json").read_text())
+    verification_file = export_dir / "verification.json"
+    verification = json.loads(verification_file.read_text()) if verification_file.exists() else None
+    card = model_card(
+        json.loads((head_dir / "draft_config.json").read_text()),
+        export_config,
+        "speculators" if "speculators_model_type" in export_config else "plain",
+        export_config.get("torch_dtype", "?"),
+        num_speculative_tokens,
+        verification,
+        eval_results,
+    )
+    path = export_dir / "README.md"
+    path.write_text(card, encoding="utf-8")
+    return path
+
+
 def model_card(
     head_config: dict,
     export_config: dict,

@@ -27,7 +27,7 @@ from eagle.config import register_configs  # noqa: E402
 from eagle.manifest import write_json_atomic  # noqa: E402
 from eagle.prompts import prompt_token_ids, read_conversations, stop_token_ids  # noqa: E402
 from eagle.target import load_config, load_tokenizer, target_dir, weights_hash  # noqa: E402
-from export.card import model_card  # noqa: E402
+from export.card import write_model_card  # noqa: E402
 from export.to_vllm import export_head  # noqa: E402
 from export.verify import VerificationError, verify_export  # noqa: E402
 
@@ -105,16 +105,7 @@ def run(cfg: DictConfig) -> dict:
 
     eval_file = run_dir / "eval" / "results.json"
     eval_results = json.loads(eval_file.read_text()) if eval_file.exists() else None
-    card = model_card(
-        head_config,
-        json.loads((out_dir / "config.json").read_text()),
-        fmt,
-        cfg.export.dtype,
-        cfg.export.num_speculative_tokens,
-        verification,
-        eval_results,
-    )
-    (out_dir / "README.md").write_text(card, encoding="utf-8")
+    write_model_card(out_dir, head_dir, cfg.export.num_speculative_tokens, eval_results)
     if failure is not None:
         raise failure
     return {"export_dir": str(out_dir), "verification": verification}

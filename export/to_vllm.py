@@ -169,6 +169,38 @@ def check_head_fits_target(head_dir: Path, head_config: dict, target_config) -> 
         raise ValueError(f"{head_dir} was trained for another target: " + ", ".join(wrong))
 
 
+LAYER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+)
+
+
+def read_export_config(export_dir: Path) -> tuple[str, dict]:
+    """(kind, head config fields) from an export's config.json, in any of the three formats."""
+    path = Path(export_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{export_dir} is not an export: no config.json (run export/main.py)")
+    config = json.loads(path.read_text())
+    layer = config.get("transformer_layer_config", config)  # speculators nests the layer
+    fields = {k: layer[k] for k in LAYER_FIELDS}
+    if "eagle_aux_hidden_state_layer_ids" not in config:
+        return "eagle1", fields
+    return "eagle3", {
+        **fields,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "aux_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
+        "norm_before_residual": config["norm_before_residual"],
+    }
+
+
 def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
     """An export loaded back into the project's head class, in fp32: (draft, draft_to_target or None).
 
@@ -178,40 +210,10 @@ def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
     from eagle.eagle1 import Eagle1Config, Eagle1Draft
     from eagle.eagle3 import Eagle3Config, Eagle3Draft
 
-    config = json.loads((export_dir / "config.json").read_text())
+    kind, fields = read_export_config(export_dir)
     weights = load_file(str(export_dir / "model.safetensors"))
     d2t = weights.pop("d2t", None)
-    if "speculators_model_type" in config:
-        layer = config["transformer_layer_config"]
-        flags = config
-    else:
-        layer = flags = config
-    sizes = {
-        k: layer[k]
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-            "rms_norm_eps",
-            "rope_theta",
-            "rope_scaling",
-            "max_position_embeddings",
-        )
-    }
-    if "fc.weight" in weights and "lm_head.weight" in weights:
-        draft = Eagle3Draft(
-            Eagle3Config(
-                **sizes,
-                draft_vocab_size=flags["draft_vocab_size"],
-                aux_layer_ids=flags["eagle_aux_hidden_state_layer_ids"],
-                norm_before_residual=flags["norm_before_residual"],
-            )
-        )
-    else:
-        draft = Eagle1Draft(Eagle1Config(**sizes))
+    draft = Eagle3Draft(Eagle3Config(**fields)) if kind == "eagle3" else Eagle1Draft(Eagle1Config(**fields))
     missing, unexpected = draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
     missing = [k for k in missing if k not in EXCLUDED_FROM_EXPORT]
     if missing or unexpected:

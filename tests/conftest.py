@@ -49,6 +49,18 @@ def regen_run(tmp_path_factory, smoke_target_dir) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def regen_head(regen_run, tmp_path_factory) -> Path:
+    """regen_run plus a head trained on it (195 steps, ~1.5 min): vLLM mean acceptance length ~1.7."""
+    from train.main import run
+
+    run_dir = tmp_path_factory.mktemp("regen_head") / "run"
+    shutil.copytree(regen_run, run_dir)
+    overrides = ["train.eval_every=0", "train.save_every=0", "train.num_threads=1"]
+    run(smoke_config(run_dir, *overrides, experiment="smoke_regen"))
+    return run_dir
+
+
 @pytest.fixture
 def subprocess_env():
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

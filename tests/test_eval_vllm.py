@@ -1,0 +1,162 @@
+"""eval end to end on real vLLM servers (the CPU build): the smoke target without and with a smoke head;
+reports hold consistent numbers; bad heads, dead servers and failing requests are handled; nothing is
+left running."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from eval.main import run as evaluate
+from eval.server import ServerError, VllmServer
+from export.main import run as export
+from tests.conftest import REPO, smoke_config
+
+pytest.importorskip("vllm")
+
+EVAL = [
+    "eval.heads=[{name:head,num_speculative_tokens:[3]}]",
+    "eval.concurrency=[1,4]",
+]
+
+
+def server_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in p.info["cmdline"] or []) and "api_server" in " ".join(
+                p.info["cmdline"]
+            ):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def eval_run(regen_head, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    shutil.copytree(regen_head, run_dir, ignore=shutil.ignore_patterns("export*", "ckpt"))
+    export(smoke_config(run_dir, experiment="smoke_regen"))
+    # A third workload whose second prompt is longer than the server's max-model-len: that request fails.
+    (run_dir / "mixed.jsonl").write_text(
+        json.dumps({"prompt": "Say hello."}) + "\n" + json.dumps({"prompt": "long " * 1500}) + "\n"
+    )
+    return run_dir
+
+
+def test_eval_measures_baseline_and_head(eval_run):
+    workloads = (
+        "eval.workloads=[{name:chat,source:chat,num_prompts:6,max_tokens:32},"
+        "{name:code,source:code,num_prompts:4,max_tokens:32},"
+        f"{{name:mixed,source:{eval_run / 'mixed.jsonl'},num_prompts:2,max_tokens:16}}]"
+    )
+    cfg = smoke_config(eval_run, *EVAL, workloads, experiment="smoke_regen")
+    results = evaluate(cfg)
+    out = eval_run / "eval"
+    assert not server_processes(str(eval_run)), "a vLLM server outlived eval"
+
+    runs = results["runs"]
+    assert {(r["config"], r["workload"], r["concurrency"]) for r in runs} == {
+        (c, w, n) for c in ("baseline", "head k=3") for w in ("chat", "code", "mixed") for n in (1, 4)
+    }
+    for r in runs:
+        acc = r["acceptance"]
+        if r["head"] is None:
+            assert acc is None and r["speedup"] is None
+            continue
+        # Acceptance length is 1 + accepted / drafts of the raw counter deltas; per-position rates fall.
+        assert acc["mean_acceptance_length"] == pytest.approx(
+            1 + acc["num_accepted_tokens"] / acc["num_drafts"]
+        )
+        assert acc["num_draft_tokens"] == 3 * acc["num_drafts"]
+        assert sum(acc["accepted_per_position"]) == acc["num_accepted_tokens"]
+        assert all(a >= b for a, b in zip(acc["per_position_acceptance"], acc["per_position_acceptance"][1:]))
+        base = next(
+            b
+            for b in runs
+            if b["head"] is None and (b["workload"], b["concurrency"]) == (r["workload"], r["concurrency"])
+        )
+        assert r["speedup"] == pytest.approx(r["output_tokens_per_s"] / base["output_tokens_per_s"])
+        # Greedy and lossless: the head changes the speed, not the answers' lengths.
+        assert r["output_tokens"] == base["output_tokens"]
+    chat = [r for r in runs if r["workload"] == "chat" and r["head"]]
+    assert all(r["acceptance"]["mean_acceptance_length"] >= 1.5 for r in chat)  # a head that drafts
+    mixed = [r for r in runs if r["workload"] == "mixed"]
+    assert all(r["num_failed"] == 1 and r["num_requests"] == 2 and r["output_tokens"] > 0 for r in mixed)
+    assert all(r["ttft_ms"]["p50"] > 0 and r["tpot_ms"]["p50"] > 0 for r in runs)
+    econ = next(r["economics"] for r in chat if r["concurrency"] == 1)
+    assert econ["measured_speedup"] == pytest.approx(
+        next(r["speedup"] for r in chat if r["concurrency"] == 1)
+    )
+
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["runs"]) == len(runs) and saved["recommendations"]
+    report = (out / "report.md").read_text()
+    assert "mean acceptance length" in report and "draft acceptance rate" in report
+    assert all(rec["text"] in report for rec in results["recommendations"])
+    for name in ("acceptance_per_position", "throughput_vs_concurrency", "itl_vs_concurrency"):
+        assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert {p.name for p in (out / "logs").iterdir()} == {"baseline.log", "head_k3.log"}
+    card = (eval_run / "export" / "README.md").read_text()  # the model card now carries eval's headline
+    assert "## Serving measurements (eval)" in card and "| chat | head | 3 | 1 |" in card
+
+    # A rerun reuses every finished run: no server starts.
+    start = time.perf_counter()
+    again = evaluate(cfg)
+    assert time.perf_counter() - start < 30 and again["runs"] == results["runs"]
+
+
+def test_a_head_for_another_target_is_refused_before_any_server(eval_run, tmp_path):
+    head = tmp_path / "head"
+    shutil.copytree(eval_run / "export", head)
+    config = json.loads((head / "config.json").read_text())
+    config["transformer_layer_config"]["hidden_size"] = 512
+    (head / "config.json").write_text(json.dumps(config))
+    cfg = smoke_config(
+        eval_run,
+        f"eval.heads=[{{name:x,path:{head}}}]",
+        f"eval.out_dir={tmp_path / 'out'}",
+        experiment="smoke_regen",
+    )
+    with pytest.raises(ValueError, match=r"trained for another target: hidden_size=512 \(target: 256\)"):
+        evaluate(cfg)
+    assert not (tmp_path / "out" / "logs").exists()
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(eval_run, tmp_path):
+    server = VllmServer(
+        eval_run / "smoke_target", tmp_path / "bad.log", {"max-model-len": "many"}, startup_timeout_s=120
+    )
+    with pytest.raises(ServerError, match=r"exited with code \d+ before it was ready[\s\S]*max.model.len"):
+        server.start()
+    assert server.process is None and not server_processes(str(tmp_path))
+
+
+def test_sigterm_stops_eval_and_its_server(eval_run, tmp_path, subprocess_env):
+    out = tmp_path / "out"
+    command = [
+        sys.executable, str(REPO / "eval/main.py"), "experiment=smoke_regen", f"run_dir={eval_run}",
+        f"eval.out_dir={out}", "eval.baseline=true", "eval.heads=[]", "eval.concurrency=[1]",
+        "eval.workloads=[{name:chat,source:chat,num_prompts:10,max_tokens:512}]",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not server_processes(str(eval_run)):
+            time.sleep(1)
+        assert server_processes(str(eval_run)), "the server never started"
+        time.sleep(5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) != 0
+    finally:
+        process.kill()
+    time.sleep(1)
+    assert not server_processes(str(eval_run)), "SIGTERM left a vLLM server behind"
