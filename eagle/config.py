@@ -170,6 +170,7 @@ class EvalConfig:
     )  # what to send
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # requests in flight
     baseline: bool = True  # also serve the target without speculation (speedups need it)
+    offline: bool = False  # no vLLM: acceptance only, from the reference decoder on the exported heads
     temperature: float = 0.0  # sampling temperature of every request (0: greedy)
     ignore_eos: bool = False  # generate max_tokens even past the end of an answer
     enable_threshold: float = 1.05  # recommend a head where its best speedup reaches this

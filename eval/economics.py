@@ -75,7 +75,7 @@ def recommend(runs: list[dict], threshold: float) -> list[dict]:
         enable = best["speedup"] >= threshold
         top = curve[-1]["concurrency"]
         reach = (
-            f"falls below 1.0x at concurrency {breakeven}"
+            f"is below 1.0x from concurrency {breakeven}"
             if breakeven is not None
             else f"stays above 1.0x up to concurrency {top}"
         )

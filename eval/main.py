@@ -32,9 +32,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python eval/main.py` from anywhere
 
 from eagle.config import register_configs  # noqa: E402
+from eagle.prompts import stop_token_ids  # noqa: E402
 from eagle.target import load_config, load_tokenizer, target_dir  # noqa: E402
 from eval.client import run_load, summarize  # noqa: E402
 from eval.economics import economics, recommend  # noqa: E402
+from eval.offline import offline_runs  # noqa: E402
 from eval.prometheus import acceptance_counts  # noqa: E402
 from eval.report import log_to_wandb, write_report  # noqa: E402
 from eval.server import VllmServer  # noqa: E402
@@ -155,19 +157,9 @@ def _on_sigterm(signum, frame):
     raise Terminated(f"signal {signum}")
 
 
-def run(cfg: DictConfig) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    run_dir = Path(cfg.run_dir).resolve()
-    out_dir = Path(cfg.eval.out_dir or run_dir / "eval")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target_path = target_dir(cfg.target)
-    target_config = load_config(cfg.target)
-    configs = server_configs(cfg, run_dir, target_config)  # bad heads fail here, before any server
-    tokenizer = load_tokenizer(cfg.target)
-    prompts = {
-        w.name: workload_prompts(w.source, tokenizer, run_dir / "cache", w.num_prompts)
-        for w in cfg.eval.workloads
-    }
+def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_dir: Path) -> list[dict]:
+    """Every (config, workload, concurrency) measured on real servers, one server per config; finished
+    runs come from <out_dir>/runs.jsonl instead."""
     finished_file = out_dir / "runs.jsonl"
     finished = read_finished(finished_file)
     plan = [
@@ -213,6 +205,32 @@ def run(cfg: DictConfig) -> dict:
         signal.signal(signal.SIGTERM, previous)
         bar.close()
 
+    return runs
+
+
+def run(cfg: DictConfig) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    run_dir = Path(cfg.run_dir).resolve()
+    out_dir = Path(cfg.eval.out_dir or run_dir / ("eval_offline" if cfg.eval.offline else "eval"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target_path = target_dir(cfg.target)
+    target_config = load_config(cfg.target)
+    configs = server_configs(cfg, run_dir, target_config)  # bad heads fail here, before any server
+    tokenizer = load_tokenizer(cfg.target)
+    prompts = {
+        w.name: workload_prompts(w.source, tokenizer, run_dir / "cache", w.num_prompts)
+        for w in cfg.eval.workloads
+    }
+    if cfg.eval.offline:
+        heads = [
+            (h.name, Path(h.path or run_dir / "export"), [int(k) for k in h.num_speculative_tokens])
+            for h in cfg.eval.heads
+        ]
+        stops = stop_token_ids(tokenizer, target_path)
+        runs = offline_runs(target_path, heads, cfg.eval.workloads, prompts, stops)
+    else:
+        runs = served_runs(cfg, configs, prompts, target_path, out_dir)
+
     add_comparisons(runs)
     recommendations = recommend(runs, cfg.eval.enable_threshold)
     results = {
@@ -227,7 +245,8 @@ def run(cfg: DictConfig) -> dict:
     for rec in recommendations:
         log.info("%s", rec["text"])
     log.info("report: %s", paths.get("report.md", out_dir / "report.md"))
-    update_model_card(cfg, run_dir, results)
+    if not cfg.eval.offline:
+        update_model_card(cfg, run_dir, results)
     if cfg.eval.report_to == "wandb":
         log_to_wandb(results, paths, out_dir, cfg.eval.wandb_project, cfg.eval.wandb_mode)
     return results

@@ -80,7 +80,7 @@ def test_recommendation_picks_k_and_finds_where_it_stops_paying():
         True,
         16,
     )
-    assert "enable h with k=3" in chat["text"] and "falls below 1.0x at concurrency 16" in chat["text"]
+    assert "enable h with k=3" in chat["text"] and "is below 1.0x from concurrency 16" in chat["text"]
     assert (code["enable"], code["breakeven_concurrency"]) == (False, None)
     assert "do not enable h" in code["text"] and "stays above 1.0x up to concurrency 4" in code["text"]
 

@@ -106,6 +106,21 @@ def test_eval_measures_baseline_and_head(eval_run):
     card = (eval_run / "export" / "README.md").read_text()  # the model card now carries eval's headline
     assert "## Serving measurements (eval)" in card and "| chat | head | 3 | 1 |" in card
 
+    # Without vLLM, the reference decoder on the export gives the served figures of concurrency 1.
+    offline = evaluate(
+        smoke_config(eval_run, *EVAL, workloads, "eval.offline=true", experiment="smoke_regen")
+    )
+    assert (eval_run / "eval_offline" / "report.md").exists()
+    for estimate in offline["runs"]:
+        if estimate["workload"] == "mixed":
+            continue  # served, its over-long prompt failed; the reference decoder has no such limit
+        served = next(
+            r for r in runs if r["head"] and (r["workload"], r["concurrency"]) == (estimate["workload"], 1)
+        )
+        assert estimate["acceptance"]["mean_acceptance_length"] == pytest.approx(
+            served["acceptance"]["mean_acceptance_length"], rel=0.02
+        ), estimate["workload"]
+
     # A rerun reuses every finished run: no server starts.
     start = time.perf_counter()
     again = evaluate(cfg)

@@ -1,0 +1,69 @@
+"""eval.offline=true: acceptance without vLLM, from the reference decoder (eagle/reference_decoder.py) running
+the HF target and each exported head - the same figures vLLM's counters give at concurrency 1 in fp32
+(export verification proves that), in minutes on a laptop; no latency or speedup.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle.acceptance import AcceptanceCounts
+from eagle.reference_decoder import DraftHead, speculative_generate
+from export.to_vllm import read_export, read_export_config
+
+NO_LATENCY = {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def load_export_head(export_dir: Path, target) -> DraftHead:
+    """An export (any format) as the reference decoder's head: exactly the weights vLLM would serve."""
+    kind, fields = read_export_config(export_dir)
+    draft, draft_to_target = read_export(export_dir, target.get_input_embeddings().weight.detach())
+    if kind == "eagle3":
+        return DraftHead(kind, draft, list(fields["aux_layer_ids"]), draft_to_target, None)
+    return DraftHead(kind, draft, [], None, target.get_output_embeddings().weight.detach().float())
+
+
+def offline_runs(
+    target_path: Path, heads: list[tuple[str, Path, list[int]]], workloads, prompts, stop_ids
+) -> list:
+    """One run record per (head, k, workload), shaped like eval's served runs (concurrency 1)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    runs = []
+    total = sum(len(ks) for _, _, ks in heads) * sum(len(prompts[w.name]) for w in workloads)
+    bar = tqdm(total=total, desc="reference decoder", unit="prompt")
+    for name, path, ks in heads:
+        head = load_export_head(path, target)
+        for k in ks:
+            for workload in workloads:
+                counts, num_tokens = AcceptanceCounts(), 0
+                for prompt in prompts[workload.name]:
+                    output, c = speculative_generate(target, head, prompt, k, workload.max_tokens, stop_ids)
+                    counts, num_tokens = counts + c, num_tokens + len(output)
+                    bar.update()
+                runs.append(
+                    {
+                        "config": f"{name} k={k}",
+                        "head": name,
+                        "k": k,
+                        "workload": workload.name,
+                        "concurrency": 1,
+                        "num_requests": len(prompts[workload.name]),
+                        "num_failed": 0,
+                        "errors": [],
+                        "output_tokens": num_tokens,
+                        "duration_s": None,
+                        "output_tokens_per_s": None,
+                        "ttft_ms": NO_LATENCY,
+                        "tpot_ms": NO_LATENCY,
+                        "itl_ms": NO_LATENCY,
+                        "acceptance": counts.summary(),
+                        "source": "reference decoder",
+                    }
+                )
+    bar.close()
+    return runs
