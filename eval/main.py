@@ -242,6 +242,8 @@ def run(cfg: DictConfig) -> dict:
         "headline": headline(runs, recommendations),
     }
     paths = write_report(results, out_dir)
+    for r in runs:
+        log.info("%s", run_line(r))
     for rec in recommendations:
         log.info("%s", rec["text"])
     log.info("report: %s", paths.get("report.md", out_dir / "report.md"))
@@ -250,6 +252,24 @@ def run(cfg: DictConfig) -> dict:
     if cfg.eval.report_to == "wandb":
         log_to_wandb(results, paths, out_dir, cfg.eval.wandb_project, cfg.eval.wandb_mode)
     return results
+
+
+def run_line(r: dict) -> str:
+    """One run in words, with both acceptance numbers named."""
+    parts = [f"{r['workload']} | {r['config']} | concurrency {r['concurrency']}"]
+    if r["acceptance"]:
+        a = r["acceptance"]
+        parts.append(
+            f"mean acceptance length {a['mean_acceptance_length']:.2f} | "
+            f"draft acceptance rate {a['draft_acceptance_rate']:.1%}"
+        )
+    if r["output_tokens_per_s"]:
+        parts.append(f"{r['output_tokens_per_s']:.1f} output tok/s")
+    if r.get("speedup"):
+        parts.append(f"speedup {r['speedup']:.2f}x")
+    if r["num_failed"]:
+        parts.append(f"{r['num_failed']}/{r['num_requests']} requests failed")
+    return " | ".join(parts)
 
 
 def update_model_card(cfg, run_dir: Path, results: dict) -> None:

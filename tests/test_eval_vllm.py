@@ -5,6 +5,7 @@ left running."""
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -151,6 +152,21 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(eval_run, tmp_path)
     with pytest.raises(ServerError, match=r"exited with code \d+ before it was ready[\s\S]*max.model.len"):
         server.start()
     assert server.process is None and not server_processes(str(tmp_path))
+
+
+def test_a_taken_port_is_reported(eval_run, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = VllmServer(
+            eval_run / "smoke_target", tmp_path / "port.log", port=port, startup_timeout_s=180
+        )
+        with pytest.raises(
+            ServerError, match=r"exited with code \d+ before it was ready[\s\S]*already in use"
+        ):
+            server.start()
+    assert not server_processes(str(eval_run))
 
 
 def test_sigterm_stops_eval_and_its_server(eval_run, tmp_path, subprocess_env):
