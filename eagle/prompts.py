@@ -11,7 +11,9 @@ from pathlib import Path
 
 
 def read_conversations(path: Path) -> list[dict]:
-    """`{"id", "messages"}` records from a JSONL file (the cache's eval_conversations.jsonl)."""
+    """`{"id", "messages"}` records from a JSONL file of `{"messages": [...]}` (the cache's
+    eval_conversations.jsonl) or `{"prompt": "..."}` records (a single user turn)."""
+    path = Path(path)
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -19,9 +21,14 @@ def read_conversations(path: Path) -> list[dict]:
                 continue
             try:
                 record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON ({error})") from error
+            if isinstance(record.get("prompt"), str):
+                messages = [{"role": "user", "content": record["prompt"]}]
+            elif isinstance(record.get("messages"), list):
                 messages = record["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise ValueError(f"{path}:{number}: not a conversation record ({error})") from error
+            else:
+                raise ValueError(f"{path}:{number}: needs a string `prompt` or a `messages` list")
             records.append({"id": record.get("id", f"{path.name}:{number}"), "messages": messages})
     return records
 

