@@ -76,9 +76,20 @@ def settings_key(cfg, config: dict, workload, concurrency: int) -> str:
         "temperature": cfg.eval.temperature,
         "ignore_eos": cfg.eval.ignore_eos,
         "server_args": OmegaConf.to_container(cfg.eval.server_args),
-        "target": str(cfg.target.path),
+        "target": files_fingerprint(Path(str(cfg.target.path))),
+        "head": files_fingerprint(Path(config["speculative_config"]["model"])) if config["head"] else None,
     }
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def files_fingerprint(directory: Path) -> str:
+    """Sizes and modification times of a model directory's weights and config: a re-exported head or a
+    replaced target gets a new key, so its old measurements are not reused (a hub id stands for itself)."""
+    files = (
+        sorted([*directory.glob("*.safetensors"), directory / "config.json"]) if directory.is_dir() else []
+    )
+    entries = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
+    return hashlib.sha256(json.dumps(entries or [str(directory)]).encode()).hexdigest()[:16]
 
 
 def read_finished(path: Path) -> dict[str, dict]:
