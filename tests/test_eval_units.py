@@ -122,3 +122,15 @@ def test_workloads(tmp_path):
     path.write_text(json.dumps({"text": "no"}) + "\n")
     with pytest.raises(ValueError, match=r"w.jsonl:1: needs a string `prompt` or a `messages` list"):
         read_conversations(path)
+
+
+def test_fingerprint_changes_with_the_weights_not_the_card(tmp_path):
+    from eval.main import files_fingerprint
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    before = files_fingerprint(tmp_path)
+    (tmp_path / "README.md").write_text("card")  # eval rewrites the model card: still the same head
+    assert files_fingerprint(tmp_path) == before
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # re-exported
+    assert files_fingerprint(tmp_path) != before
