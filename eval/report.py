@@ -248,6 +248,8 @@ def plot_acceptance(runs: list[dict]):
 def plot_vs_concurrency(runs: list[dict], value: Callable[[dict], float | None], ylabel: str):
     if not any(r["head"] is not None for r in runs):
         return None  # these plots compare heads with the baseline; the runs table says the rest
+    if not any(is_number(value(r)) for r in runs):
+        return None  # nothing measured (eval.offline: acceptance only)
     workloads = ordered(r["workload"] for r in runs)
     head_of = {r["config"]: r["head"] for r in runs}
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
