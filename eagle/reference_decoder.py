@@ -53,6 +53,11 @@ class DraftHead:
     lm_head_VH: Tensor | None  # EAGLE-1: the target's lm_head, which decodes the predicted features
 
 
+def inference_device() -> str:
+    """Where the reference decoder runs: the first GPU when there is one (an 8B target in fp32 needs it)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_head(head_dir: Path, target, weight_dtype: str = "float32") -> DraftHead:
     """A trained head (`draft_head/` from train) on the target's embedding, in fp32 for inference.
 
@@ -75,7 +80,9 @@ def load_head(head_dir: Path, target, weight_dtype: str = "float32") -> DraftHea
     if missing or unexpected:
         raise ValueError(f"{head_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
     draft.load_target_embedding(target.get_input_embeddings().weight.detach().float())
-    draft.float().eval().requires_grad_(False)
+    draft.float().eval().requires_grad_(False).to(
+        target.device
+    )  # the target's device (GPU when there is one)
     if kind == "eagle3":
         vocab = load_vocab_map(head_dir / "vocab.safetensors")
         return DraftHead(kind, draft, list(draft.config.aux_layer_ids), vocab.draft_to_target, None)

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from eagle.acceptance import AcceptanceCounts
-from eagle.reference_decoder import DraftHead, speculative_generate
+from eagle.reference_decoder import DraftHead, inference_device, speculative_generate
 from export.to_vllm import read_export, read_export_config
 
 NO_LATENCY = {"mean": None, "p50": None, "p90": None, "p99": None}
@@ -20,7 +20,8 @@ NO_LATENCY = {"mean": None, "p50": None, "p90": None, "p99": None}
 def load_export_head(export_dir: Path, target) -> DraftHead:
     """An export (any format) as the reference decoder's head: exactly the weights vLLM would serve."""
     kind, fields = read_export_config(export_dir)
-    draft, draft_to_target = read_export(export_dir, target.get_input_embeddings().weight.detach())
+    draft, draft_to_target = read_export(export_dir, target.get_input_embeddings().weight.detach().cpu())
+    draft.to(target.device)
     if kind == "eagle3":
         return DraftHead(kind, draft, list(fields["aux_layer_ids"]), draft_to_target, None)
     return DraftHead(kind, draft, [], None, target.get_output_embeddings().weight.detach().float())
@@ -32,7 +33,9 @@ def offline_runs(
     """One run record per (head, k, workload), shaped like eval's served runs (concurrency 1)."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    target = (
+        AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval().to(inference_device())
+    )
     runs = []
     total = sum(len(ks) for _, _, ks in heads) * sum(len(prompts[w.name]) for w in workloads)
     bar = tqdm(total=total, desc="reference decoder", unit="prompt")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle.acceptance import AcceptanceCounts
-from eagle.reference_decoder import load_head, speculative_generate
+from eagle.reference_decoder import inference_device, load_head, speculative_generate
 
 log = logging.getLogger("export")
 METHODS = {"eagle3": "eagle3", "eagle1": "eagle"}  # head kind -> vLLM's speculative method
@@ -53,7 +53,9 @@ def reference_acceptance(
 
     from eagle.target import DTYPES
 
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval()
+    target = (
+        AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval().to(inference_device())
+    )
     head = load_head(head_dir, target, weight_dtype)
     outputs, total = [], AcceptanceCounts()
     for prompt in tqdm(prompts, desc="reference decoder", unit="prompt"):

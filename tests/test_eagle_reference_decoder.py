@@ -117,3 +117,16 @@ def test_the_chain_is_trainings_ttt_rollout(target_and_head):
             out, k, v = state.layer([int(ids[0, t + 1 + i])], out, t + i, past)
             past = (k, v)
             torch.testing.assert_close(out[0, 0], ttt_outs[i][0, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_output_is_still_the_targets_greedy_output(target_and_head):
+    target, head = target_and_head
+    cpu_output, cpu_counts = speculative_generate(target, head, PROMPT, 3, 20)
+    gpu_target = target.to("cuda")
+    gpu_head = DraftHead("eagle3", head.draft.to("cuda"), head.aux_layer_ids, head.draft_to_target, None)
+    try:
+        output, counts = speculative_generate(gpu_target, gpu_head, PROMPT, 3, 20)
+    finally:
+        target.to("cpu"), head.draft.to("cpu")
+    assert output == cpu_output and counts.num_drafts > 0
