@@ -101,7 +101,7 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
     for record in read_records(cfg, report_problem):
         try:
             turns = extract_turns(record, cfg)
-            messages = normalize_messages(turns, role_map, cfg.system_prompt)
+            messages = normalize_messages(turns, role_map, cfg.system_prompt, cfg.max_turns)
         except SkippedRecord as skip:
             skipped[skip.reason] += 1
             continue
@@ -134,6 +134,8 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.role_map must map onto {ROLES}; these do not: {bad_roles}")
     if cfg.num_samples is not None and cfg.num_samples < 1:
         raise ValueError(f"data.num_samples must be >= 1 or null (all), got {cfg.num_samples}")
+    if cfg.max_turns is not None and cfg.max_turns < 1:
+        raise ValueError(f"data.max_turns must be >= 1 or null (all), got {cfg.max_turns}")
 
 
 # Sources: where the raw records come from.
@@ -246,10 +248,13 @@ def extract_turns(record: Any, cfg: DataConfig) -> list[tuple[Any, Any]]:
 
 
 def normalize_messages(
-    turns: list[tuple[Any, Any]], role_map: dict[str, str], system_prompt: str | None
+    turns: list[tuple[Any, Any]],
+    role_map: dict[str, str],
+    system_prompt: str | None,
+    max_turns: int | None = None,
 ) -> list[dict[str, str]]:
     """Map roles, check `[system] user assistant (user assistant)*`, drop orphan leading answers and an
-    unanswered last question."""
+    unanswered last question, keep the first `max_turns` exchanges."""
     messages = []
     for source_role, content in turns:
         if not isinstance(source_role, str):
@@ -273,6 +278,8 @@ def normalize_messages(
     for index, message in enumerate(after_system):
         if message["role"] != ("user" if index % 2 == 0 else "assistant"):
             raise SkippedRecord("not_alternating")
+    if max_turns is not None:
+        messages = messages[: len(system) + 2 * max_turns]
     if messages[-1]["role"] == "user":
         messages.pop()  # a question with no answer gives the draft nothing to learn
     assistant_turns = [message for message in messages if message["role"] == "assistant"]

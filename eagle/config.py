@@ -52,6 +52,7 @@ class DataConfig:
     )  # source role -> system|user|assistant
     system_prompt: str | None = None  # system message added to conversations that have none
     num_samples: int | None = None  # use only the first N valid conversations (None: all)
+    max_turns: int | None = None  # keep only the first N question/answer exchanges of each (None: all)
     eval_fraction: float = 0.05  # fraction held out for evaluation, chosen by a hash of the conversation id
     strict: bool = False  # raise on a corrupt or truncated file instead of using its complete records
 
@@ -71,7 +72,7 @@ class RegenConfig:
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     max_new_tokens: int = 512  # cap on each regenerated turn
     seed: int = 0  # sampling seed (vLLM per-request seeds derive from it)
-    batch_size: int = 256  # conversations sent to vLLM per call
+    batch_size: int = 256  # conversations per chunk: one vLLM call per turn, saved when done (the resume unit)
     vllm_kwargs: dict[str, Any] = field(
         default_factory=dict
     )  # extra `vllm.LLM(...)` arguments (e.g. enforce_eager)

@@ -154,10 +154,14 @@ class Eagle1DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
+    def finish(self, attn_BNTD: Tensor, residual_BTH: Tensor) -> Tensor:
+        """The layer's output: attention and MLP added onto the residual (the raw fc output)."""
+        hidden_BTH = self.self_attn.output(attn_BNTD) + residual_BTH
+        return hidden_BTH + self.mlp(self.post_attention_layernorm(hidden_BTH))
+
     def forward(self, x_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> Tensor:
         # The residual is the raw fc output, and attention reads it un-normed too (vLLM's Identity norm).
-        hidden_BTH = x_BTH + self.self_attn(x_BTH, cos_BTD, sin_BTD)
-        return hidden_BTH + self.mlp(self.post_attention_layernorm(hidden_BTH))
+        return self.finish(causal_attention(*self.self_attn.project(x_BTH, cos_BTD, sin_BTD)), x_BTH)
 
 
 class Eagle1Draft(nn.Module):

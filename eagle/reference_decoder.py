@@ -136,13 +136,7 @@ class DraftState:
             q_BNTD, k_BGTD, v_BGTD = layer.self_attn.project(residual_BTH, cos_BTD, sin_BTD)
         if past is not None:
             k_BGTD, v_BGTD = torch.cat([past[0], k_BGTD], dim=2), torch.cat([past[1], v_BGTD], dim=2)
-        attn_BNTD = attend(q_BNTD, k_BGTD, v_BGTD)
-        if self.head.kind == "eagle3":
-            out_BTH = layer.finish(attn_BNTD, residual_BTH)
-        else:
-            hidden_BTH = residual_BTH + layer.self_attn.output(attn_BNTD)
-            out_BTH = hidden_BTH + layer.mlp(layer.post_attention_layernorm(hidden_BTH))
-        return out_BTH, k_BGTD, v_BGTD
+        return layer.finish(attend(q_BNTD, k_BGTD, v_BGTD), residual_BTH), k_BGTD, v_BGTD
 
     def extend(self, next_ids: list[int], features: Tensor) -> Tensor:
         """Read the next verified positions (features of t beside the token at t+1); their keys/values

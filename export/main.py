@@ -34,7 +34,7 @@ from export.verify import VerificationError, verify_export  # noqa: E402
 log = logging.getLogger("export")
 
 
-def verification_prompts(cfg, head_config: dict, run_dir: Path) -> list[list[int]]:
+def verification_prompts(cfg, tokenizer, head_config: dict, run_dir: Path) -> list[list[int]]:
     """The first user turns of the cache's held-out conversations, chat-templated for the target."""
     cache_dir = Path(head_config.get("cache", {}).get("path") or run_dir / "cache")
     path = cache_dir / "eval_conversations.jsonl"
@@ -42,7 +42,6 @@ def verification_prompts(cfg, head_config: dict, run_dir: Path) -> list[list[int
         raise ValueError(
             f"{path} is missing: verification decodes the held-out prompts data_prep wrote there"
         )
-    tokenizer = load_tokenizer(cfg.target)
     conversations = read_conversations(path)[: cfg.export.verify_num_prompts]
     if not conversations:
         raise ValueError(f"{path} holds no conversations: nothing to verify the export on")
@@ -82,7 +81,8 @@ def run(cfg: DictConfig) -> dict:
 
     verification, failure = None, None
     if cfg.export.verify:
-        prompts = verification_prompts(cfg, head_config, run_dir)
+        tokenizer = load_tokenizer(cfg.target)
+        prompts = verification_prompts(cfg, tokenizer, head_config, run_dir)
         try:
             verification = verify_export(
                 target_path,
@@ -90,7 +90,7 @@ def run(cfg: DictConfig) -> dict:
                 out_dir,
                 head_config["kind"],
                 prompts,
-                stop_token_ids(load_tokenizer(cfg.target), target_path),
+                stop_token_ids(tokenizer, target_path),
                 cfg.export.num_speculative_tokens,
                 cfg.export.verify_max_new_tokens,
                 cfg.export.verify_tolerance,

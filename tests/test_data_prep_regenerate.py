@@ -23,7 +23,7 @@ def test_answers_are_the_targets_own_greedy_answers(regen_run, tmp_path):
     assert manifest["regeneration"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 128, "seed": 0}
     record = manifest["regeneration_record"]
     assert sum(v for k, v in record.items() if k.startswith("finish_")) >= 64  # every answer of every turn
-    assert record["vllm_version"] == "0.32.0" and list(record["files"]) == ["part-00000-of-00001.json"]
+    assert record["vllm_version"] == "0.32.0" and list(record["files"]) == ["chunk-00000-of-00001.json"]
 
     originals = {}
     for line in (REPO / "eagle/smoke_data/conversations.jsonl").open():

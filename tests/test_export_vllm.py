@@ -211,13 +211,13 @@ def test_parity_catches_a_wrong_export(regen_head, mistake, tmp_path):
     mistake(config)
     (out / "config.json").write_text(json.dumps(config))
     cfg = smoke_config(regen_head, experiment="smoke_regen")
-    prompts = verification_prompts(
-        cfg, json.loads((regen_head / "draft_head/draft_config.json").read_text()), regen_head
-    )
+    tokenizer = load_tokenizer(cfg.target)
+    head_config = json.loads((regen_head / "draft_head/draft_config.json").read_text())
+    prompts = verification_prompts(cfg, tokenizer, head_config, regen_head)
     with pytest.raises(VerificationError, match="differs from the reference decoder") as caught:
         verify_export(
             target_dir, regen_head / "draft_head", out, "eagle3", prompts,
-            stop_token_ids(load_tokenizer(cfg.target), target_dir), export_dtype="float32",
+            stop_token_ids(tokenizer, target_dir), export_dtype="float32",
             vllm_kwargs=dict(cfg.export.vllm_kwargs),
         )  # fmt: skip
     report = caught.value.report

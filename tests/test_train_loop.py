@@ -272,3 +272,28 @@ def test_accelerate_config_files_load(name):
         assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == int(
             name[-1]
         )
+
+
+def test_warm_start_carries_the_lm_head_over_by_token_when_the_draft_vocab_changes(tmp_path):
+    # A code head warm-started from a chat head: the two data sets keep different frequent tokens.
+    from eagle.vocab import build_vocab_map, save_vocab_map
+    from train.checkpoint import HEAD_CONFIG, load_warm_start
+
+    old_vocab = build_vocab_map(torch.tensor([9, 0, 8, 7, 0, 0]), 3)  # target ids 0, 2, 3
+    new_vocab = build_vocab_map(torch.tensor([0, 0, 8, 7, 9, 0]), 3)  # target ids 2, 3, 4
+    old_head = tmp_path / "old_head"
+    old_head.mkdir()
+    old_lm_head = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])  # rows of target ids 0, 2, 3
+    save_file(
+        {"lm_head.weight": old_lm_head, "fc.weight": torch.ones(2, 2)}, str(old_head / "model.safetensors")
+    )
+    save_vocab_map(old_vocab, old_head / "vocab.safetensors")
+    (old_head / HEAD_CONFIG).write_text("{}")
+
+    draft = torch.nn.Module()
+    draft.lm_head, draft.fc = torch.nn.Linear(2, 3, bias=False), torch.nn.Linear(2, 2, bias=False)
+    fresh_row = draft.lm_head.weight[2].detach().clone()
+    load_warm_start(draft, old_head, new_vocab)
+    assert torch.equal(draft.fc.weight, torch.ones(2, 2))
+    assert torch.equal(draft.lm_head.weight[:2], old_lm_head[1:])  # ids 2 and 3 keep their trained rows
+    assert torch.equal(draft.lm_head.weight[2], fresh_row)  # id 4 is new: its fresh row stays

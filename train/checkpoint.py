@@ -12,6 +12,7 @@ leaves the previous one intact.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle.manifest import write_json_atomic
+from eagle.vocab import VocabMap, load_vocab_map
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 HEAD_CONFIG = "draft_config.json"
@@ -88,10 +92,51 @@ def read_head_weights(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def load_warm_start(model: torch.nn.Module, path: Path) -> None:
-    """Copy an older head's weights into `model`, refusing any tensor whose shape differs."""
+def warm_start_vocab(path: Path) -> VocabMap | None:
+    """The draft vocabulary an older head was trained with: its own file, or its run's cache's."""
+    for candidate in (path / "vocab.safetensors", path.parent.parent / "cache" / "vocab.safetensors"):
+        if candidate.exists():
+            return load_vocab_map(candidate)
+    return None
+
+
+def remap_lm_head(old_VdH: torch.Tensor, old_ids: torch.Tensor, new_VdH: torch.Tensor, new_ids: torch.Tensor):
+    """The new lm_head: the old row of every draft token both vocabularies hold, the new (fresh) row of
+    the others. Returns (weights, number of rows carried over)."""
+    old_row = {int(token): row for row, token in enumerate(old_ids.tolist())}
+    rows = [(new_row, old_row[token]) for new_row, token in enumerate(new_ids.tolist()) if token in old_row]
+    out = new_VdH.detach().clone()
+    if rows:
+        new_rows, old_rows = (torch.tensor(r) for r in zip(*rows))
+        out[new_rows] = old_VdH[old_rows].to(out.dtype)
+    return out, len(rows)
+
+
+def load_warm_start(model: torch.nn.Module, path: Path, vocab: VocabMap | None = None) -> None:
+    """Copy an older head's weights into `model`, refusing any tensor whose shape differs.
+
+    When both heads have an lm_head over a draft vocabulary and the two vocabularies differ (a new domain
+    or data set picks other frequent tokens), the lm_head is carried over token by token instead.
+    """
+    path = Path(path)
     weights = read_head_weights(path)
     own = {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
+    old_vocab = warm_start_vocab(path)
+    if (
+        vocab is not None
+        and old_vocab is not None
+        and "lm_head.weight" in own
+        and "lm_head.weight" in weights
+    ):
+        old_ids, new_ids = old_vocab.draft_to_target, vocab.draft_to_target
+        if not torch.equal(old_ids, new_ids):
+            weights["lm_head.weight"], num_kept = remap_lm_head(
+                weights["lm_head.weight"], old_ids, own["lm_head.weight"], new_ids
+            )
+            log.info(
+                "warm start: the draft vocabulary changed; %d of %d lm_head rows carried over by token id",
+                num_kept, new_ids.numel(),
+            )  # fmt: skip
     missing = sorted(set(own) - set(weights))
     mismatched = [
         f"  {k}: old {tuple(weights[k].shape)}, new {tuple(v.shape)}"

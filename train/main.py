@@ -215,7 +215,7 @@ def run(cfg: DictConfig) -> dict:
     embed, lm_head = load_embedding_and_lm_head(cfg.target)
     draft.load_target_embedding(embed.float())
     if cfg.train.init_from:
-        load_warm_start(draft, Path(cfg.train.init_from))
+        load_warm_start(draft, Path(cfg.train.init_from), vocab)
         log.info("warm start from %s", cfg.train.init_from)
     model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
