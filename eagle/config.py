@@ -33,7 +33,7 @@ class TargetConfig:
     revision: str | None = None  # hub revision (branch, tag or commit); ignored for local directories
     dtype: str = "bfloat16"  # dtype the target runs in while caching: bfloat16 | float16 | float32
     chat_template: str | None = None  # Jinja chat template (or a path to one) for tokenizers without one
-    build: str | None = None  # build an embedded target at `path` when it is not there yet: smoke | smollm2
+    build: str | None = None  # build an embedded target at `path` if absent: smoke | smollm2 | smollm2_upgraded
 
 
 @dataclass
@@ -53,6 +53,7 @@ class DataConfig:
     system_prompt: str | None = None  # system message added to conversations that have none
     num_samples: int | None = None  # use only the first N valid conversations (None: all)
     max_turns: int | None = None  # keep only the first N question/answer exchanges of each (None: all)
+    match: str | None = None  # keep only conversations whose first user turn matches this regex (re.search)
     eval_fraction: float = 0.05  # fraction held out for evaluation, chosen by a hash of the conversation id
     strict: bool = False  # raise on a corrupt or truncated file instead of using its complete records
 

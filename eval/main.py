@@ -160,6 +160,24 @@ def headline(runs: list[dict], recommendations: list[dict]) -> list[dict]:
     return rows
 
 
+def headline_table(rows: list[dict]) -> str:
+    """The headline rows as a Markdown table for the console (the report has every run)."""
+    lines = [
+        "| workload | head | k | concurrency | mean acceptance length | output tok/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        length, tok_s, speedup = row["mean acceptance length"], row["output tok/s"], row["speedup"]
+        lines.append(
+            f"| {row['workload']} | {row['head']} | {row['k']} | {row['concurrency']} | "
+            + (f"{length:.2f}" if length is not None else "-")
+            + (f" | {tok_s:.1f} | " if tok_s else " | - | ")
+            + (f"{speedup:.2f}x" if speedup is not None else "-")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the main thread is, so every `with VllmServer` block shuts its server down."""
 
@@ -257,6 +275,7 @@ def run(cfg: DictConfig) -> dict:
         log.info("%s", run_line(r))
     for rec in recommendations:
         log.info("%s", rec["text"])
+    print(headline_table(results["headline"]), flush=True)
     log.info("report: %s", paths.get("report.md", out_dir / "report.md"))
     if not cfg.eval.offline:
         update_model_card(cfg, run_dir, results)

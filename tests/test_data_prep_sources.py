@@ -196,6 +196,25 @@ def test_num_samples_keeps_first_valid(tmp_path):
         load(tmp_path / "d.jsonl", num_samples=0)
 
 
+def test_match_keeps_conversations_whose_first_question_matches(tmp_path):
+    # A domain subset (here: code questions) of a general data set; the rest is counted, not lost silently.
+    records = [qa("a", "write a python function"), qa("b", "tell me a joke"), qa("c", "fix my ```code```")]
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", records), match=r"(?i)python|```", num_samples=2)
+    assert [c.id for c in loaded.conversations] == ["a", "c"]
+    assert loaded.skipped["no_match"] == 1
+    with pytest.raises(ValueError, match=r"data.match='\(' is not a valid regular expression"):
+        load(tmp_path / "d.jsonl", match="(")
+
+
+def test_max_turns_keeps_the_first_exchanges(tmp_path):
+    record = sharegpt("a", ("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2"), ("human", "q3"))
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", [record]), max_turns=1, system_prompt="be brief")
+    assert [m["content"] for m in loaded.conversations[0].messages] == ["be brief", "q1", "a1"]
+    assert len(load(tmp_path / "d.jsonl", max_turns=5).conversations[0].messages) == 4
+    with pytest.raises(ValueError, match="max_turns"):
+        load(tmp_path / "d.jsonl", max_turns=0)
+
+
 def test_ids_from_field_else_stable_hash(tmp_path):
     no_id = {"conversations": qa("ignored")["conversations"]}
     path = write_jsonl(tmp_path / "d.jsonl", [qa(42), no_id, {**qa("ignored", answer="other"), "id": None}])
