@@ -96,14 +96,20 @@ def ttt_rollout(model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, num_
 
 @torch.no_grad()
 def teacher_probs(
-    final_hidden_BTH: Tensor, target_lm_head_VH: Tensor, draft_to_target: Tensor, chunk_size: int
+    final_hidden_BTH: Tensor,
+    target_lm_head_VH: Tensor,
+    draft_to_target: Tensor,
+    chunk_size: int,
+    needed_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The target's next-token distribution at every position, restricted to the draft vocabulary.
 
     Returns (probs_BTVd fp32, summing to 1 over the draft vocabulary; in_draft_BT bool: the target's
     argmax over its FULL vocabulary is a draft token). Logits are computed in the lm_head's dtype, as the
     target computes them, then softmaxed in fp32 - `chunk_size` tokens at a time, so fp32 logits over the
-    whole target vocabulary never exist for more than one chunk.
+    whole target vocabulary never exist for more than one chunk. With `needed_BT`, only those positions
+    are computed (the full-vocabulary product is the costliest part of a step); the others get zero
+    probabilities and in_draft False.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size}: must be positive")
@@ -111,15 +117,20 @@ def teacher_probs(
     draft_to_target = draft_to_target.to(final_hidden_BTH.device)
     is_draft_V = torch.zeros(target_lm_head_VH.shape[0], dtype=torch.bool, device=final_hidden_BTH.device)
     is_draft_V[draft_to_target] = True
-    rows_MH = final_hidden_BTH.reshape(b * t, h)
-    probs_MVd = rows_MH.new_empty(b * t, draft_to_target.numel(), dtype=torch.float32)
-    in_draft_M = torch.empty(b * t, dtype=torch.bool, device=rows_MH.device)
-    for start in range(0, b * t, chunk_size):
-        rows_CH = rows_MH[start : start + chunk_size].to(target_lm_head_VH.dtype)
-        logits_CV = (rows_CH @ target_lm_head_VH.T).float()
-        in_draft_M[start : start + chunk_size] = is_draft_V[logits_CV.argmax(-1)]
-        probs_MVd[start : start + chunk_size] = torch.softmax(logits_CV[:, draft_to_target], dim=-1)
-    return probs_MVd.view(b, t, -1), in_draft_M.view(b, t)
+    rows_M = torch.arange(b * t, device=final_hidden_BTH.device)
+    if needed_BT is not None:
+        rows_M = rows_M[needed_BT.reshape(-1)]
+    hidden_MH = final_hidden_BTH.reshape(b * t, h)[rows_M]
+    probs_NVd = hidden_MH.new_zeros(b * t, draft_to_target.numel(), dtype=torch.float32)
+    in_draft_N = torch.zeros(b * t, dtype=torch.bool, device=hidden_MH.device)
+    for start in range(0, rows_M.numel(), chunk_size):
+        chunk_C = rows_M[start : start + chunk_size]
+        logits_CV = (
+            hidden_MH[start : start + chunk_size].to(target_lm_head_VH.dtype) @ target_lm_head_VH.T
+        ).float()
+        in_draft_N[chunk_C] = is_draft_V[logits_CV.argmax(-1)]
+        probs_NVd[chunk_C] = torch.softmax(logits_CV[:, draft_to_target], dim=-1)
+    return probs_NVd.view(b, t, -1), in_draft_N.view(b, t)
 
 
 def step_valid_mask(
@@ -198,8 +209,9 @@ def ttt_loss(
         raise ValueError(f"gamma={gamma}: the step weight must be positive")
     input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
     attention_mask_BT = batch.get("attention_mask")
+    # The teacher at j serves a loss only where x_{j+1} is an answer token: prompts cost no teacher work.
     probs_BTVd, in_draft_BT = teacher_probs(
-        batch["final_hidden"], target_lm_head, draft_to_target, chunk_size
+        batch["final_hidden"], target_lm_head, draft_to_target, chunk_size, shift_left(loss_mask_BT, 1, False)
     )
     outs = ttt_rollout(model, input_ids_BT, batch["aux_hidden"], num_steps)
     total = torch.zeros((), device=input_ids_BT.device)
@@ -208,13 +220,19 @@ def ttt_loss(
     t = input_ids_BT.shape[1]
     for step, out_BTH in enumerate(outs):
         valid_BT = step_valid_mask(loss_mask_BT, in_draft_BT, step, attention_mask_BT)
-        # The teacher of step k at t is the target at t+1+k: a view, not a shifted copy (saved for backward),
-        # and no logits for the last 1+k positions, which have nothing to predict.
+        # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
+        # (answer tokens; never the last 1+k, which have nothing to predict), gathered as [1, M, ...]:
+        # prompt positions cost no lm_head work.
         kept = max(t - 1 - step, 0)
-        loss, correct_BS, num_valid = step_loss(
-            model.logits(out_BTH[:, :kept]), probs_BTVd[:, 1 + step :], valid_BT[:, :kept], denominator
+        rows = valid_BT[:, :kept].nonzero(as_tuple=True)
+        loss, correct_1M, num_valid = step_loss(
+            model.logits(out_BTH[:, :kept][rows])[None],
+            probs_BTVd[:, 1 + step :][rows][None],
+            torch.ones(1, rows[0].numel(), dtype=torch.bool, device=valid_BT.device),
+            denominator,
         )
-        correct_BT = torch.cat([correct_BS, valid_BT[:, kept:]], dim=1)  # the tail is never valid: False
+        correct_BT = torch.zeros_like(valid_BT)
+        correct_BT[rows] = correct_1M[0]
         total = total + gamma**step * loss
         metrics[f"loss_{step}"] = loss.detach()
         metrics[f"acc_{step}"] = correct_BT.sum() / num_valid.clamp(min=1)
