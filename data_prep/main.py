@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python data_
 from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards  # noqa: E402
 from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: E402
 from data_prep.render import render_all  # noqa: E402
-from data_prep.sources import load_conversations  # noqa: E402
+from data_prep.sources import describe_sources, load_conversations  # noqa: E402
 from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
 from eagle.config import register_configs  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
@@ -123,7 +123,7 @@ def run(cfg: DictConfig) -> dict:
     log.info(
         "%d conversations from %s; skipped %s",
         len(loaded.conversations),
-        cfg.data.source,
+        describe_sources(cfg.data),
         dict(loaded.skipped),
     )
 
@@ -159,7 +159,7 @@ def run(cfg: DictConfig) -> dict:
         skipped.update(split_skipped)
         num_truncated += truncated
     if not samples["train"]:
-        raise ValueError(f"no training samples left from {cfg.data.source} (skipped: {dict(skipped)})")
+        raise ValueError(f"no training samples left from {describe_sources(cfg.data)} (skipped: {dict(skipped)})")
 
     if accelerator.is_main_process:
         counts = count_tokens(
@@ -215,7 +215,7 @@ def run(cfg: DictConfig) -> dict:
             "target_path": str(cfg.target.path),
             "target_dtype": cfg.target.dtype,
             "architecture": (target_config.architectures or ["?"])[0],
-            "data_source": str(cfg.data.source),
+            "data_source": describe_sources(cfg.data),
             "num_samples": {split: len(samples[split]) for split in SPLITS},
             "num_tokens": num_tokens,
             "num_loss_tokens": {split: sum(sum(s.loss_mask) for s in samples[split]) for split in SPLITS},

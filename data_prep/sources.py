@@ -8,7 +8,9 @@ their complete records and are reported (or raise, with `strict=true`), because 
 ship cut off.
 
 `cfg.source` is a .json / .jsonl / .parquet file, a glob of them, a directory of them, a directory
-written by `datasets` `save_to_disk`, or otherwise a Hugging Face hub dataset name.
+written by `datasets` `save_to_disk`, or otherwise a Hugging Face hub dataset name. `cfg.mix` lists
+several such sources instead (e.g. ShareGPT and UltraChat), each with its own split, format, field names
+and `num_samples`; they are read in order and each one's ids are prefixed with its name.
 
 The data_prep stage calls `load_conversations` from its `run(cfg)`; to inspect a source by hand:
 
@@ -30,9 +32,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import datasets
+from omegaconf import MISSING
 
 from data_prep.record_files import ProblemReporter, read_file
-from eagle.config import DataConfig
+from eagle.config import DataConfig, DataSourceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass
 class Conversation:
-    id: str  # `cfg.id_field` of the record, else a hash of the messages; unique within one load
+    id: str  # `id_field` of the record, else a hash of the messages; `name/` first in a mix; unique in a load
     messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
 
 
@@ -84,8 +87,55 @@ class UniqueIds:
 
 
 def load_conversations(cfg: DataConfig) -> LoadedConversations:
-    """Read `cfg.source`, keep the usable conversations and count the rest by why they were dropped."""
+    """Read `cfg.source` (or every source of `cfg.mix`, in order), keep the usable conversations and count
+    the rest by why they were dropped."""
     check_data_config(cfg)
+    conversations: list[Conversation] = []
+    skipped: collections.Counter = collections.Counter()
+    problems: list[str] = []
+    ids = UniqueIds()
+    for where, entry in sources_to_read(cfg):
+        id_prefix = f"{entry.name}/" if cfg.mix else ""
+        found, found_skipped, found_problems = read_source(entry, where, id_prefix, cfg, ids)
+        if cfg.mix:
+            logger.info("%s (%s): %d conversations (skipped: %s)",
+                        where, entry.name, len(found), dict(found_skipped))  # fmt: skip
+        conversations += found
+        skipped.update(found_skipped)
+        problems += found_problems
+
+    if ids.num_renamed:
+        logger.warning(
+            "%d conversations repeat an earlier id; made unique by appending #2, #3, ...", ids.num_renamed
+        )
+    logger.info(
+        "loaded %d conversations from %s (skipped: %s)",
+        len(conversations),
+        describe_sources(cfg),
+        dict(skipped),
+    )
+    return LoadedConversations(conversations, skipped, problems, fingerprint_conversations(conversations))
+
+
+def sources_to_read(cfg: DataConfig) -> list[tuple[str, DataConfig | DataSourceConfig]]:
+    """(name in messages, settings) per source: `data` itself, or each `data.mix[i]` in order."""
+    if not cfg.mix:
+        return [("data", cfg)]
+    return [(f"data.mix[{index}]", entry) for index, entry in enumerate(cfg.mix)]
+
+
+def describe_sources(cfg: DataConfig) -> str:
+    """`data.source`, or the mix as `name=source[split]` entries, for logs and manifests."""
+    if not cfg.mix:
+        return str(cfg.source)
+    return " + ".join(f"{entry.name}={entry.source}[{entry.split}]" for entry in cfg.mix)
+
+
+def read_source(
+    entry: DataConfig | DataSourceConfig, where: str, id_prefix: str, cfg: DataConfig, ids: UniqueIds
+) -> tuple[list[Conversation], collections.Counter, list[str]]:
+    """The usable conversations of one source (`entry`: where it is, its format, fields and num_samples;
+    `cfg`: the settings shared by every source), the records skipped by reason, and file problems."""
     role_map = {str(source_role).strip().lower(): role for source_role, role in cfg.role_map.items()}
     skipped: collections.Counter = collections.Counter()
     problems: list[str] = []
@@ -98,11 +148,10 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
         skipped["corrupt_json"] += 1
 
     conversations: list[Conversation] = []
-    ids = UniqueIds()
     pattern = re.compile(cfg.match) if cfg.match else None
-    for record in read_records(cfg, report_problem):
+    for record in read_records(entry, report_problem, where):
         try:
-            turns = extract_turns(record, cfg)
+            turns = extract_turns(record, entry)
             messages = normalize_messages(turns, role_map, cfg.system_prompt, cfg.max_turns)
         except SkippedRecord as skip:
             skipped[skip.reason] += 1
@@ -110,35 +159,48 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
         if pattern and not pattern.search(next(m["content"] for m in messages if m["role"] == "user")):
             skipped["no_match"] += 1
             continue
-        conversations.append(Conversation(ids.claim(record_id(record, messages, cfg.id_field)), messages))
-        if cfg.num_samples is not None and len(conversations) >= cfg.num_samples:
+        conversation_id = ids.claim(id_prefix + record_id(record, messages, entry.id_field))
+        conversations.append(Conversation(conversation_id, messages))
+        if entry.num_samples is not None and len(conversations) >= entry.num_samples:
             break  # stop reading: the rest of the source would be thrown away
 
-    if ids.num_renamed:
-        logger.warning(
-            "%d conversations repeat an earlier id; made unique by appending #2, #3, ...", ids.num_renamed
-        )
     if not conversations:
         raise ValueError(
-            f"no usable conversations in data.source={cfg.source!r} (format={cfg.format}); "
+            f"no usable conversations in {where}.source={entry.source!r} (format={entry.format}); "
             f"skipped: {dict(skipped)}; problems: {problems}"
         )
-    logger.info(
-        "loaded %d conversations from %s (skipped: %s)", len(conversations), cfg.source, dict(skipped)
-    )
-    return LoadedConversations(conversations, skipped, problems, fingerprint_conversations(conversations))
+    return conversations, skipped, problems
 
 
 def check_data_config(cfg: DataConfig) -> None:
-    if cfg.format not in FORMATS:
-        raise ValueError(f"data.format={cfg.format!r} is not one of {FORMATS}")
-    if cfg.format == "fields" and not cfg.messages_field:
-        raise ValueError("data.format=fields needs data.messages_field (the record key holding the turns)")
+    if cfg.mix:
+        if cfg.source is not None:
+            raise ValueError(
+                f"data.source={cfg.source!r} and data.mix are both set: list every source in data.mix "
+                "and set data.source=null, or drop data.mix"
+            )
+        if cfg.num_samples is not None:
+            raise ValueError(
+                f"data.num_samples={cfg.num_samples} applies to data.source only: with data.mix, give each "
+                "source its own data.mix[i].num_samples (override: data.mix.0.num_samples=N)"
+            )
+        names = [entry.name for entry in cfg.mix]
+        for index, name in enumerate(names):
+            if not name or name == MISSING or names.index(name) != index:
+                raise ValueError(
+                    f"data.mix[{index}].name={name!r}: every source needs its own non-empty name "
+                    f"(it prefixes that source's conversation ids); names: {names}"
+                )
+    elif not cfg.source:
+        raise ValueError(
+            "data.source is not set: give a hub dataset name, a `save_to_disk` directory or local "
+            ".json/.jsonl/.parquet files, or list several sources in data.mix"
+        )
+    for where, entry in sources_to_read(cfg):
+        check_source_config(entry, where)
     bad_roles = {src: dst for src, dst in cfg.role_map.items() if dst not in ROLES}
     if bad_roles:
         raise ValueError(f"data.role_map must map onto {ROLES}; these do not: {bad_roles}")
-    if cfg.num_samples is not None and cfg.num_samples < 1:
-        raise ValueError(f"data.num_samples must be >= 1 or null (all), got {cfg.num_samples}")
     if cfg.match:
         try:
             re.compile(cfg.match)
@@ -150,21 +212,37 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.max_turns must be >= 1 or null (all), got {cfg.max_turns}")
 
 
+def check_source_config(entry: DataConfig | DataSourceConfig, where: str) -> None:
+    """The settings of one source; `where` (`data` or `data.mix[i]`) names the fields in messages."""
+    if not entry.source or entry.source == MISSING:
+        raise ValueError(f"{where}.source is not set: give a hub dataset name, a directory or local files")
+    if entry.format not in FORMATS:
+        raise ValueError(f"{where}.format={entry.format!r} is not one of {FORMATS}")
+    if entry.format == "fields" and not entry.messages_field:
+        raise ValueError(
+            f"{where}.format=fields needs {where}.messages_field (the record key holding the turns)"
+        )
+    if entry.num_samples is not None and entry.num_samples < 1:
+        raise ValueError(f"{where}.num_samples must be >= 1 or null (all), got {entry.num_samples}")
+
+
 # Sources: where the raw records come from.
 
 
-def read_records(cfg: DataConfig, report_problem: ProblemReporter) -> Iterator[Any]:
+def read_records(
+    cfg: DataConfig | DataSourceConfig, report_problem: ProblemReporter, where: str = "data"
+) -> Iterator[Any]:
     """Yield the raw records of `cfg.source` in a fixed order (files sorted by path)."""
     source = str(cfg.source)
     local = os.path.expanduser(source)
     if os.path.isdir(local) and is_saved_dataset(local):
-        yield from read_saved_dataset(local, cfg.split)
+        yield from read_saved_dataset(local, cfg.split, where)
     elif os.path.exists(local) or looks_like_path(source):
         turn_fields = ("conversations", "messages", cfg.messages_field)
-        for path in find_data_files(source):
+        for path in find_data_files(source, where):
             yield from read_file(path, turn_fields, report_problem)
     else:
-        yield from read_hub_dataset(source, cfg.split)
+        yield from read_hub_dataset(source, cfg.split, where)
 
 
 def looks_like_path(source: str) -> bool:
@@ -182,7 +260,7 @@ def is_saved_dataset(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, name)) for name in ("state.json", "dataset_dict.json"))
 
 
-def find_data_files(source: str) -> list[str]:
+def find_data_files(source: str, where: str = "data") -> list[str]:
     """The .json/.jsonl/.parquet files a path, glob or directory names, sorted so runs repeat."""
     local = os.path.expanduser(source)
     if os.path.isdir(local):
@@ -195,33 +273,33 @@ def find_data_files(source: str) -> list[str]:
     if not data_files:
         found = f"; it matches only {matches[:5]}" if matches else ""
         raise ValueError(
-            f"data.source={source!r} names no {'/'.join(FILE_EXTENSIONS)} file, glob of them, directory of "
-            f"them or `save_to_disk` directory{found}"
+            f"{where}.source={source!r} names no {'/'.join(FILE_EXTENSIONS)} file, glob of them, directory "
+            f"of them or `save_to_disk` directory{found}"
         )
     return data_files
 
 
-def read_saved_dataset(directory: str, split: str) -> Iterator[dict]:
+def read_saved_dataset(directory: str, split: str, where: str = "data") -> Iterator[dict]:
     loaded = datasets.load_from_disk(directory)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"{directory} holds splits {sorted(loaded)}; data.split={split!r} is not one")
+            raise ValueError(f"{directory} holds splits {sorted(loaded)}; {where}.split={split!r} is not one")
         loaded = loaded[split]
     yield from loaded
 
 
-def read_hub_dataset(name: str, split: str) -> Iterator[dict]:
+def read_hub_dataset(name: str, split: str, where: str = "data") -> Iterator[dict]:
     try:
         dataset = datasets.load_dataset(name, split=split)
     except Exception as err:  # hub, network and format errors all mean the same thing to the user
         raise ValueError(
-            f"data.source={name!r} is not a local file or directory, and loading it as a Hugging Face "
+            f"{where}.source={name!r} is not a local file or directory, and loading it as a Hugging Face "
             f"hub dataset (split={split!r}) failed: {err}"
         ) from err
     yield from dataset
 
 
-def extract_turns(record: Any, cfg: DataConfig) -> list[tuple[Any, Any]]:
+def extract_turns(record: Any, cfg: DataConfig | DataSourceConfig) -> list[tuple[Any, Any]]:
     """The record's turns as (source role, content) pairs, read with the keys of its format."""
     if not isinstance(record, dict):
         raise SkippedRecord("malformed_record")

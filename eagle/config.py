@@ -33,12 +33,32 @@ class TargetConfig:
     revision: str | None = None  # hub revision (branch, tag or commit); ignored for local directories
     dtype: str = "bfloat16"  # dtype the target runs in while caching: bfloat16 | float16 | float32
     chat_template: str | None = None  # Jinja chat template (or a path to one) for tokenizers without one
-    build: str | None = None  # build an embedded target at `path` if absent: smoke | smollm2 | smollm2_upgraded
+    build: str | None = (
+        None  # build an embedded target at `path` if absent: smoke | smollm2 | smollm2_upgraded
+    )
+
+
+@dataclass
+class DataSourceConfig:
+    """One source of `data.mix`: a name, then the per-source fields of `data` (source ... num_samples)."""
+
+    name: str = MISSING  # short label; this source's conversation ids become `name/id`, unique across the mix
+    source: str = MISSING  # as `data.source`: HF dataset name, `save_to_disk` directory or local file(s)
+    split: str = "train"  # split to read from HF datasets sources
+    format: str = "auto"  # record format: auto | sharegpt | openai | fields
+    messages_field: str | None = None  # field holding the turns (auto: `conversations` or `messages`)
+    role_field: str = "role"  # per-turn role key for format=fields
+    content_field: str = "content"  # per-turn text key for format=fields
+    id_field: str | None = "id"  # record id key; records without one get a hash of their content
+    num_samples: int | None = None  # use only the first N valid conversations of this source (None: all)
 
 
 @dataclass
 class DataConfig:
-    source: str = MISSING  # HF dataset name, a local `save_to_disk` directory, or local .json/.jsonl/.parquet file(s) (globs ok)
+    source: str | None = None  # HF dataset name, `save_to_disk` dir or .json/.jsonl/.parquet file(s)/globs
+    mix: list[DataSourceConfig] = field(
+        default_factory=list
+    )  # sources read in order instead of `source` (keep it null); split..id_field, num_samples: per entry
     split: str = "train"  # split to read from HF datasets sources
     format: str = "auto"  # record format: auto | sharegpt | openai | fields
     messages_field: str | None = None  # field holding the turns (auto: `conversations` or `messages`)
@@ -73,7 +93,9 @@ class RegenConfig:
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     max_new_tokens: int = 512  # cap on each regenerated turn
     seed: int = 0  # sampling seed (vLLM per-request seeds derive from it)
-    batch_size: int = 256  # conversations per chunk: one vLLM call per turn, saved when done (the resume unit)
+    batch_size: int = (
+        256  # conversations per chunk: one vLLM call per turn, saved when done (the resume unit)
+    )
     vllm_kwargs: dict[str, Any] = field(
         default_factory=dict
     )  # extra `vllm.LLM(...)` arguments (e.g. enforce_eager)

@@ -4,11 +4,13 @@ import subprocess
 import sys
 
 import pytest
+from accelerate.commands.config.config_args import load_config_from_file
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from eagle.config import compose
 from eagle.manifest import read_manifest
+from eagle.target import default_aux_layer_ids
 from tests.conftest import REPO
 
 
@@ -40,3 +42,73 @@ def test_accelerate_launch_runs_the_stage(tmp_path, subprocess_env):
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_manifest(tmp_path / "cache")["complete"] is True
     assert "caching" in result.stderr and "tok/s" in result.stderr  # the disk estimate and the progress bar
+
+
+EXPERIMENTS = sorted(path.stem for path in (REPO / "conf" / "experiment").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((REPO / "conf" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_resolves(experiment):
+    # Every file in conf/experiment/, so a new one is covered the day it is added.
+    cfg = compose("config", [f"experiment={experiment}", "run_dir=/tmp/x"])
+    OmegaConf.resolve(cfg)
+    typed = OmegaConf.to_object(cfg)  # every value checked against the schema; nothing left MISSING
+    assert typed.target.path and (typed.data.source or typed.data.mix)
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda path: path.stem)
+def test_every_accelerate_config_loads_for_one_8_gpu_node(path):
+    config = load_config_from_file(str(path))
+    assert config.distributed_type in ("MULTI_GPU", "DEEPSPEED")
+    assert config.num_machines == 1 and config.num_processes == 8 and config.mixed_precision == "bf16"
+
+
+# Rows of the hub splits the GPU recipes read, from the dataset cards; the training schedule is sized on them.
+HUB_ROWS = {
+    ("Aeala/ShareGPT_Vicuna_unfiltered", "train"): 121_000,  # about: the viewer says 121k
+    ("HuggingFaceH4/ultrachat_200k", "train_sft"): 207_865,
+    ("HuggingFaceH4/ultrachat_200k", "train_gen"): 256_032,
+}
+
+
+@pytest.mark.parametrize("experiment, num_layers", [("llama31_8b", 32), ("qwen3_8b", 36)])
+def test_gpu_recipe(experiment, num_layers):
+    cfg = compose("config", [f"experiment={experiment}", "run_dir=/tmp/x"])
+    assert cfg.target.build is None and cfg.target.dtype == "bfloat16" and "/" in cfg.target.path  # hub id
+    assert list(cfg.cache.aux_layer_ids) == default_aux_layer_ids(num_layers)  # (2, L//2, L-3), explicit
+    assert cfg.cache.draft_vocab_size == 32000 and cfg.head.kind == "eagle3" and cfg.head.num_ttt_steps == 7
+    assert cfg.regen.enabled and cfg.regen.vllm_kwargs.max_model_len == cfg.render.max_length >= 2048
+
+    assert [entry.source for entry in cfg.data.mix] == [
+        "Aeala/ShareGPT_Vicuna_unfiltered",
+        "HuggingFaceH4/ultrachat_200k",
+        "HuggingFaceH4/ultrachat_200k",
+    ]
+    num_conversations = sum(
+        min(HUB_ROWS[(entry.source, entry.split)], entry.num_samples or float("inf"))
+        for entry in cfg.data.mix
+    )
+    assert 450_000 <= num_conversations <= 650_000  # the EAGLE-3 paper's scale (~530k)
+
+    # The schedule: ~500k conversations x epochs / global batch, on the 8 GPUs of the accelerate configs.
+    num_gpus = load_config_from_file(str(REPO / "conf" / "accelerate" / "zero2.yaml")).num_processes
+    global_batch = cfg.train.batch_size * cfg.train.gradient_accumulation_steps * num_gpus
+    num_steps = num_conversations * (1 - cfg.data.eval_fraction) * cfg.train.num_epochs / global_batch
+    assert 10_000 <= num_steps <= 100_000 and cfg.train.max_steps is None
+    assert 100 <= cfg.optim.warmup_ratio * num_steps <= 0.02 * num_steps
+    assert cfg.optim.lr == 1e-4 and cfg.optim.max_grad_norm == 0.5 and cfg.train.mixed_precision == "bf16"
+    assert cfg.train.save_every <= num_steps / 10 and cfg.train.report_to == "wandb"
+
+    assert cfg.export.verify and cfg.export.format == "speculators" and cfg.export.vllm_kwargs.max_model_len
+    assert [list(head.num_speculative_tokens) for head in cfg.eval.heads] == [[1, 2, 3, 4, 5]]
+    assert list(cfg.eval.concurrency) == [1, 2, 4, 8, 16, 32, 64]
+    assert [w.source for w in cfg.eval.workloads] == ["chat", "code"]
+    assert all(w.num_prompts >= 64 for w in cfg.eval.workloads)  # at least one full batch at concurrency 64
+    assert cfg.eval.server_args["max-model-len"] >= cfg.render.max_length
+
+
+def test_a_mix_entry_can_be_overridden_from_the_command_line():
+    # What the README suggests for a smaller first run.
+    cfg = compose("config", ["experiment=llama31_8b", "run_dir=/tmp/x", "data.mix.1.num_samples=1000"])
+    assert [entry.num_samples for entry in cfg.data.mix] == [None, 1000, None]

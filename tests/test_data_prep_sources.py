@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from data_prep import sources
 from data_prep.sources import load_conversations
-from eagle.config import DataConfig
+from eagle.config import DataConfig, DataSourceConfig
 
 # Non-ASCII text makes byte offsets and character offsets differ, so the tests can tell them apart.
 UNICODE_ANSWER = "こんにちは、世界。" * 10
@@ -354,3 +354,131 @@ def test_bad_config_values_raise():
         load("x.jsonl", format="fields")
     with pytest.raises(ValueError, match="role_map"):
         load("x.jsonl", role_map={"human": "customer"})
+
+
+def ultrachat(prompt_id, *turns):
+    return {"prompt": turns[0][1], "prompt_id": prompt_id, **openai(None, *turns)}
+
+
+def mix(*entries, **overrides):
+    return load_conversations(DataConfig(mix=list(entries), **overrides))
+
+
+def write_two_sources(tmp_path):
+    """A ShareGPT JSON file and an UltraChat-shaped parquet file whose ids collide with the first's."""
+    sharegpt_path = write_json(tmp_path / "sharegpt.json", [qa("1"), sharegpt("bad"), qa("2"), qa("3")])
+    rows = [
+        ultrachat("1", ("user", "q1"), ("assistant", "a1")),
+        ultrachat("9", ("user", "q9"), ("assistant", "a9")),
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ultrachat.parquet")
+    return (
+        DataSourceConfig(name="sharegpt", source=str(sharegpt_path), format="sharegpt", num_samples=2),
+        DataSourceConfig(
+            name="ultrachat",
+            source=str(tmp_path / "ultrachat.parquet"),
+            format="openai",
+            id_field="prompt_id",
+        ),
+    )
+
+
+def test_mix_reads_each_source_with_its_own_format_ids_and_num_samples(tmp_path):
+    first, second = write_two_sources(tmp_path)
+    loaded = mix(first, second, system_prompt="be brief")
+    assert [c.id for c in loaded.conversations] == ["sharegpt/1", "sharegpt/2", "ultrachat/1", "ultrachat/9"]
+    assert loaded.conversations[2].messages == [
+        {"role": "system", "content": "be brief"},  # the shared settings apply to every source
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+    ]
+    assert loaded.skipped == collections.Counter({"empty_conversation": 1})
+    # Typed like Hydra gives it, and a source read alone keeps its own ids.
+    assert mix(first, second, system_prompt="be brief") == load_conversations(
+        OmegaConf.structured(DataConfig(mix=[first, second], system_prompt="be brief"))
+    )
+    assert [c.id for c in load(first.source, format="sharegpt").conversations] == ["1", "2", "3"]
+
+
+def test_mix_fingerprint_covers_every_source(tmp_path):
+    first, second = write_two_sources(tmp_path)
+    reference = mix(first, second).fingerprint
+    assert mix(first, second).fingerprint == reference
+    rows = [
+        ultrachat("1", ("user", "q1"), ("assistant", "a1!")),
+        ultrachat("9", ("user", "q9"), ("assistant", "a9")),
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ultrachat.parquet")
+    assert mix(first, second).fingerprint != reference  # one answer of the second source changed
+    assert mix(second, first).fingerprint != mix(first, second).fingerprint
+    second.num_samples = 1
+    assert len(mix(first, second).conversations) == 3
+
+
+def test_mix_hub_entries_use_their_own_split(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        return datasets.Dataset.from_list([ultrachat(split, ("user", "q"), ("assistant", "a"))])
+
+    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
+    entries = [
+        DataSourceConfig(name=split, source="org/chat", split=split, format="openai", id_field="prompt_id")
+        for split in ("train_sft", "train_gen")
+    ]
+    assert [c.id for c in mix(*entries).conversations] == ["train_sft/train_sft", "train_gen/train_gen"]
+    assert calls == [("org/chat", "train_sft"), ("org/chat", "train_gen")]
+
+
+def test_the_gpu_recipes_mix_reads_the_hub_datasets_in_their_published_shapes(monkeypatch):
+    # The record shapes of the dataset cards: Aeala's ShareGPT (`id`, `conversations` of from/value) and
+    # UltraChat-200k (`prompt`, `prompt_id`, `messages` of role/content); nothing is downloaded.
+    from eagle.config import compose
+
+    hub = {
+        ("Aeala/ShareGPT_Vicuna_unfiltered", "train"): [qa("QWJhYvA_0", "hi", "hello")],
+        ("HuggingFaceH4/ultrachat_200k", "train_sft"): [ultrachat("f0e3", ("user", "q"), ("assistant", "a"))],
+        ("HuggingFaceH4/ultrachat_200k", "train_gen"): [ultrachat("77ab", ("user", "q"), ("assistant", "a"))],
+    }
+    monkeypatch.setattr(
+        sources.datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(hub[(name, split)])
+    )
+    for experiment in ("llama31_8b", "qwen3_8b"):
+        cfg = compose("config", [f"experiment={experiment}", "run_dir=/tmp/x"])
+        loaded = load_conversations(cfg.data)
+        assert [c.id for c in loaded.conversations] == [
+            "sharegpt/QWJhYvA_0",
+            "ultrachat/f0e3",
+            "ultrachat_gen/77ab",
+        ]
+        assert not loaded.skipped
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ({"format": "alpaca"}, r"data\.mix\[1\]\.format='alpaca' is not one of"),
+        ({"format": "fields"}, r"data\.mix\[1\]\.format=fields needs data\.mix\[1\]\.messages_field"),
+        ({"num_samples": 0}, r"data\.mix\[1\]\.num_samples must be >= 1"),
+        ({"name": "sharegpt"}, r"data\.mix\[1\]\.name='sharegpt': every source needs its own non-empty name"),
+        ({"source": "missing.jsonl"}, r"data\.mix\[1\]\.source='missing\.jsonl' names no"),
+        ({"format": "sharegpt"}, r"no usable conversations in data\.mix\[1\]\.source=.*ultrachat\.parquet"),
+    ],
+)
+def test_a_bad_mix_entry_raises_naming_it(tmp_path, change, error):
+    first, second = write_two_sources(tmp_path)
+    for key, value in change.items():
+        setattr(second, key, value)
+    with pytest.raises(ValueError, match=error):
+        mix(first, second)
+
+
+def test_mix_and_single_source_settings_do_not_combine(tmp_path):
+    first, second = write_two_sources(tmp_path)
+    with pytest.raises(ValueError, match=r"data\.source='x\.json' and data\.mix are both set"):
+        mix(first, second, source="x.json")
+    with pytest.raises(ValueError, match=r"data\.num_samples=5 applies to data\.source only"):
+        mix(first, second, num_samples=5)
+    with pytest.raises(ValueError, match=r"data\.source is not set"):
+        load_conversations(DataConfig())
