@@ -169,3 +169,24 @@ def test_converted_model_answers_sensibly(converted):
     out = model.generate(**inputs, max_new_tokens=30, do_sample=False)
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_upgraded_checkpoint_moves_decoder_matrices_only(smoke_target_dir, tmp_path):
+    # The base-model upgrade workflow's "new checkpoint": same architecture, other decoder weights.
+    import torch
+    from safetensors.torch import load_file
+
+    out = assets.upgraded_dir(smoke_target_dir, tmp_path / "v2", noise=0.1, seed=0)
+    before = load_file(str(smoke_target_dir / "model.safetensors"))
+    after = load_file(str(out / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for name, w in before.items():
+        moved = not torch.equal(w, after[name])
+        assert moved == (".layers." in name and w.ndim == 2), name
+        if moved:  # noise of 10% of the matrix's own spread, not a different model
+            relative = (after[name].float() - w.float()).std() / w.float().std()
+            assert 0.08 < relative < 0.12, (name, relative)
+    assert (out / "config.json").read_text() == (smoke_target_dir / "config.json").read_text()
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert assets.upgraded_dir(smoke_target_dir, tmp_path / "v2") == out  # built once
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
