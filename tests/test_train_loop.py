@@ -209,6 +209,10 @@ def test_warm_start_from_an_old_head_and_refusal_of_another_shape(train_run, tmp
     shutil.rmtree(train_run / "ckpt")
     run(train_config(train_run, "train.max_steps=4", f"train.init_from={old_head}"))
     assert step_losses(train_run)[1] < first_cold  # starts where the old head left off
+    # Its step-0 held-out eval measures the old head before any step: the old run's final numbers.
+    evals = [json.loads(line) for line in (train_run / "train_eval.jsonl").open()]
+    assert [e["step"] for e in evals] == [4, 0, 4]
+    assert evals[1]["eval/acc_0"] == pytest.approx(evals[0]["eval/acc_0"], rel=1e-5)
     # A checkpoint directory works as a warm start too.
     shutil.move(train_run / "ckpt", tmp_path / "ckpt")
     run(train_config(train_run, "train.max_steps=1", f"train.init_from={tmp_path / 'ckpt' / 'step-000004'}"))
@@ -297,3 +301,25 @@ def test_warm_start_carries_the_lm_head_over_by_token_when_the_draft_vocab_chang
     assert torch.equal(draft.fc.weight, torch.ones(2, 2))
     assert torch.equal(draft.lm_head.weight[:2], old_lm_head[1:])  # ids 2 and 3 keep their trained rows
     assert torch.equal(draft.lm_head.weight[2], fresh_row)  # id 4 is new: its fresh row stays
+
+
+def test_curves_compare_runs_and_find_the_step_reaching_the_best(tmp_path, capsys):
+    from train import curves
+
+    for name, values in {"warm": [(0, 1.2), (10, 1.9), (20, 2.1)], "scratch": [(10, 1.3), (20, 1.9)]}.items():
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"step": s, "eval/accept_len_k3": v, "eval/acc_0": 0.5}) for s, v in values]
+        (tmp_path / name / "train_eval.jsonl").write_text("\n".join(lines) + "\n")
+    curves.main([str(tmp_path / "warm"), str(tmp_path / "scratch"), "--out", str(tmp_path / "c.png")])
+    printed = capsys.readouterr().out
+    assert "| 0 | 1.200 |  |" in printed and "| 20 | 2.100 | 1.900 |" in printed
+    # The scratch run's best (1.9) is what the warm start had after 10 steps; scratch never reaches 2.1.
+    assert (
+        f"{tmp_path / 'scratch'}: best 1.900; first step reaching it: {{'{tmp_path / 'warm'}': 10}}"
+        in printed
+    )
+    assert (
+        f"{tmp_path / 'warm'}: best 2.100; first step reaching it: {{'{tmp_path / 'scratch'}': None}}"
+        in printed
+    )
+    assert (tmp_path / "c.png").stat().st_size > 1000

@@ -350,6 +350,23 @@ def fit(
     accumulation, num_ttt = cfg.train.gradient_accumulation_steps, num_loss_steps(cfg)
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     history, window_tokens, window_start = [], 0, time.perf_counter()
+
+    def held_out_eval(at_step: int) -> dict:
+        result = {"step": at_step, **evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_ttt)}
+        accelerator.log(result, step=at_step)
+        if accelerator.is_main_process:
+            with open(run_dir / "train_eval.jsonl", "a") as f:
+                f.write(json.dumps(result) + "\n")
+        log.info(
+            "eval step %d | acc@0 %.3f | acceptance length (k=3) %.3f",
+            at_step,
+            result["eval/acc_0"],
+            result.get("eval/accept_len_k3", float("nan")),
+        )
+        return result
+
+    if step == 0 and cfg.train.init_from and cfg.train.eval_every:
+        held_out_eval(0)  # a warm start's starting point: the older head on this data, before any step
     model.train()
     bar = tqdm(total=num_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
     epoch = start_epoch
@@ -442,21 +459,7 @@ def fit(
                 )
                 window_tokens, window_start = 0, time.perf_counter()
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == num_steps:
-                result = {
-                    "step": step,
-                    **evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_ttt),
-                }
-                history.append(result)
-                accelerator.log(result, step=step)
-                if accelerator.is_main_process:
-                    with open(run_dir / "train_eval.jsonl", "a") as f:
-                        f.write(json.dumps(result) + "\n")
-                log.info(
-                    "eval step %d | acc@0 %.3f | acceptance length (k=3) %.3f",
-                    step,
-                    result["eval/acc_0"],
-                    result.get("eval/accept_len_k3", float("nan")),
-                )
+                history.append(held_out_eval(step))
             stop_now = (
                 accelerator.reduce(torch.tensor(float(stop.requested), device=accelerator.device), "sum") > 0
             )
