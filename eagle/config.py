@@ -138,6 +138,7 @@ class OptimConfig:
 class TrainConfig:
     num_epochs: int = 1  # passes over the cache's train split
     max_steps: int | None = None  # stop after this many optimizer steps (the schedule is sized to it)
+    num_samples: int | None = None  # train on the cache's first N train samples only (data-scaling runs)
     batch_size: int = 4  # samples per micro-batch per process
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     mixed_precision: str = "bf16"  # no | bf16 | fp16 (fp32 master weights either way)

@@ -323,3 +323,22 @@ def test_curves_compare_runs_and_find_the_step_reaching_the_best(tmp_path, capsy
         in printed
     )
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_num_samples_trains_on_the_first_samples_only(train_run):
+    # Data-scaling runs: the same cache, a prefix of its train split.
+    run(
+        train_config(
+            train_run,
+            "train.num_samples=8",
+            "train.batch_size=4",
+            "train.num_epochs=1",
+            "train.max_steps=null",
+        )
+    )
+    assert sorted(step_losses(train_run)) == [1, 2]  # 8 samples / batch 4 = 2 steps in the epoch
+    shutil.rmtree(train_run / "ckpt")
+    with pytest.raises(
+        ValueError, match=r"train.num_samples=100000: the cache's train split holds \d+ samples"
+    ):
+        run(train_config(train_run, "train.num_samples=100000"))

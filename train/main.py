@@ -135,6 +135,15 @@ def resume_mode(value) -> str:
     return mode
 
 
+def train_lengths(cfg, train_split: CacheSplit) -> list[int]:
+    """Lengths of the samples this run trains on: the split, or its first `train.num_samples`."""
+    if cfg.train.num_samples is not None and not 0 < cfg.train.num_samples <= len(train_split):
+        raise ValueError(
+            f"train.num_samples={cfg.train.num_samples}: the cache's train split holds {len(train_split)} samples"
+        )
+    return train_split.lengths[: cfg.train.num_samples]
+
+
 def lr_factor(step: int, num_steps: int, warmup_ratio: float, min_ratio: float) -> float:
     """Linear warmup then cosine to `min_ratio`, sized from the real number of optimizer steps."""
     warmup = max(1, round(warmup_ratio * num_steps))
@@ -224,7 +233,7 @@ def run(cfg: DictConfig) -> dict:
     )
     world, accumulation = accelerator.num_processes, cfg.train.gradient_accumulation_steps
     steps_per_epoch = len(
-        plan_epoch(train_split.lengths, cfg.train.batch_size, world, accumulation, cfg.seed, 0)
+        plan_epoch(train_lengths(cfg, train_split), cfg.train.batch_size, world, accumulation, cfg.seed, 0)
     )
     num_steps = cfg.train.num_epochs * steps_per_epoch
     if cfg.train.max_steps:
@@ -371,7 +380,9 @@ def fit(
     bar = tqdm(total=num_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
     epoch = start_epoch
     while step < num_steps:
-        plan = plan_epoch(train_split.lengths, cfg.train.batch_size, world, accumulation, cfg.seed, epoch)
+        plan = plan_epoch(
+            train_lengths(cfg, train_split), cfg.train.batch_size, world, accumulation, cfg.seed, epoch
+        )
         steps_per_epoch = len(plan)
         for micro_batches in plan[step - epoch * steps_per_epoch :]:
             if step >= num_steps:
