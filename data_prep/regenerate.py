@@ -113,10 +113,10 @@ def regenerate_rank_share(conversations, target_path: str, cfg, out_dir: Path, a
     def chunk_path(c):
         return out_dir / f"chunk-{c:05d}-of-{len(chunks):05d}.json"
 
-    todo = [c for c in range(rank, len(chunks), world) if not chunk_path(c).exists()]
-    if len(todo) < len(range(rank, len(chunks), world)):
-        log.info("reusing %d finished chunk(s) of regenerated answers in %s",
-                 len(range(rank, len(chunks), world)) - len(todo), out_dir)  # fmt: skip
+    mine = range(rank, len(chunks), world)
+    todo = [c for c in mine if not chunk_path(c).exists()]
+    if len(todo) < len(mine):
+        log.info("reusing %d finished chunk(s) of regenerated answers in %s", len(mine) - len(todo), out_dir)
     if todo:
         device_index = accelerator.local_process_index if accelerator.device.type == "cuda" else None
         llm = start_engine(target_path, cfg, device_index)

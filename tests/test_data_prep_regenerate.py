@@ -58,3 +58,41 @@ def test_answers_are_the_targets_own_greedy_answers(regen_run, tmp_path):
     again = run(smoke_config(run_dir, experiment="smoke_regen"))
     assert again["last_run"]["train"]["num_shards_written"] == 0
     assert read_manifest(run_dir / "cache")["regeneration_record"] == record
+
+
+def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeypatch):
+    # The resume logic alone (no engine): chunk 1 fails the first time; the rerun redoes only chunk 1.
+    from types import SimpleNamespace
+
+    from data_prep import regenerate
+    from data_prep.sources import Conversation
+
+    calls = []
+
+    def fake_regenerate(llm, conversations, cfg):
+        calls.append([c.id for c in conversations])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        answered = [
+            Conversation(c.id, c.messages[:1] + [{"role": "assistant", "content": "ok"}])
+            for c in conversations
+        ]
+        return answered, {"finish_stop": len(conversations)}
+
+    monkeypatch.setattr(regenerate, "start_engine", lambda *args: object())
+    monkeypatch.setattr(regenerate, "regenerate_conversations", fake_regenerate)
+    accelerator = SimpleNamespace(num_processes=1, process_index=0, device=SimpleNamespace(type="cpu"),
+                                  wait_for_everyone=lambda: None)  # fmt: skip
+    conversations = [
+        Conversation(f"c{i}", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+        for i in range(5)
+    ]
+    cfg = SimpleNamespace(batch_size=2)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate.regenerate_rank_share(conversations, "target", cfg, tmp_path, accelerator)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-00000-of-00003.json"]
+    new, record = regenerate.regenerate_rank_share(conversations, "target", cfg, tmp_path, accelerator)
+    assert calls == [["c0", "c1"], ["c2", "c3"], ["c2", "c3"], ["c4"]]  # chunk 0 was not redone
+    assert [c.id for c in new] == [f"c{i}" for i in range(5)]
+    assert all(c.messages[-1]["content"] == "ok" for c in new)
+    assert record["finish_stop"] == 5 and len(record["files"]) == 3
