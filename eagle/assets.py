@@ -182,18 +182,51 @@ def smollm2_dir(out_dir: str | Path) -> Path:
 
 
 # The base-model upgrade workflow needs a new checkpoint of the same architecture; with no hub here it is
-# SmolLM2 with every decoder-layer weight matrix moved by Gaussian noise of this size relative to the
-# matrix's own standard deviation (embeddings and norms kept). Like a fine-tune, it changes the hidden
-# states every layer hands on and some greedy answers, while the model still answers fluently.
+# made from SmolLM2 in two moves. (1) Its residual stream is expressed in another basis: a seeded
+# permutation of the hidden channels, applied to the embedding, every norm and every matrix that reads or
+# writes the residual stream - the function is unchanged (identical logits), but every hidden state a head
+# reads is different, as between independently trained checkpoints. (2) Every decoder-layer matrix W gets
+# Gaussian noise of UPGRADE_NOISE x std(W), so some greedy answers change while the model still answers
+# fluently, as after a fine-tune. Noise alone (permute=False) leaves the hidden states close enough that
+# an old head keeps drafting (measured: README, "A base-model upgrade").
 UPGRADE_NOISE = 0.1
+READS_RESIDUAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # [out, H]: permute the columns
+WRITES_RESIDUAL = ("o_proj", "down_proj")  # [H, in]: permute the rows
+
+
+def upgraded_weights(weights: dict, noise: float, permute: bool, seed: int) -> dict:
+    """The "new checkpoint's" tensors from a Llama state dict (HF names); see the comment above."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    perm = torch.randperm(hidden, generator=generator) if permute else torch.arange(hidden)
+    out = {}
+    for name in sorted(weights):
+        w = weights[name]
+        if name.endswith("norm.weight"):
+            w = w[perm]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight") or name.split(".")[-2] in READS_RESIDUAL:
+            w = w[:, perm]
+        elif name.split(".")[-2] in WRITES_RESIDUAL:
+            w = w[perm, :]
+        if noise and ".layers." in name and w.ndim == 2:
+            w = (w.float() + torch.randn(w.shape, generator=generator) * (noise * w.float().std())).to(
+                w.dtype
+            )
+        out[name] = w.contiguous()
+    return out
 
 
 def upgraded_dir(
-    base_dir: str | Path, out_dir: str | Path, noise: float = UPGRADE_NOISE, seed: int = 0
+    base_dir: str | Path,
+    out_dir: str | Path,
+    noise: float = UPGRADE_NOISE,
+    permute: bool = True,
+    seed: int = 0,
 ) -> Path:
-    """A copy of the Llama checkpoint in `base_dir` whose decoder-layer matrices W become
-    W + noise * std(W) * N(0, 1) (seeded); built once, atomically, like `smollm2_dir`."""
-    import torch
+    """A copy of the Llama checkpoint in `base_dir` with `upgraded_weights`; built once, atomically, like
+    `smollm2_dir`."""
     from safetensors.torch import load_file, save_file
 
     out_dir = Path(out_dir).expanduser().resolve()
@@ -205,16 +238,12 @@ def upgraded_dir(
     try:
         shutil.copytree(base_dir, tmp_dir)
         (tmp_dir / COMPLETE_MARKER).unlink(missing_ok=True)
-        generator = torch.Generator().manual_seed(seed)
-        for weights_file in sorted(tmp_dir.glob("*.safetensors")):
-            weights = load_file(str(weights_file))
-            for name in sorted(weights):
-                w = weights[name]
-                if ".layers." in name and w.ndim == 2:
-                    noise_w = torch.randn(w.shape, generator=generator) * (noise * w.float().std())
-                    weights[name] = (w.float() + noise_w).to(w.dtype)
-            save_file(weights, str(weights_file), metadata={"format": "pt"})
-        marker = {"base": str(base_dir), "noise": noise, "seed": seed, "what": "decoder-layer matrices"}
+        weights_files = sorted(tmp_dir.glob("*.safetensors"))
+        if len(weights_files) != 1:
+            raise ValueError(f"{base_dir}: expected one .safetensors file, found {len(weights_files)}")
+        weights = upgraded_weights(load_file(str(weights_files[0])), noise, permute, seed)
+        save_file(weights, str(weights_files[0]), metadata={"format": "pt"})
+        marker = {"base": str(base_dir), "noise": noise, "permute_residual": permute, "seed": seed}
         (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -238,12 +267,13 @@ def main(argv: list[str] | None = None) -> None:
     upgrade.add_argument("out_dir")
     upgrade.add_argument("--noise", type=float, default=UPGRADE_NOISE)
     upgrade.add_argument("--seed", type=int, default=0)
+    upgrade.add_argument("--no-permute", action="store_true", help="noise only: keep the residual basis")
     args = parser.parse_args(argv)
 
     if args.command == "smollm2":
         print(smollm2_dir(args.out_dir))
     elif args.command == "upgrade":
-        print(upgraded_dir(args.base_dir, args.out_dir, args.noise, args.seed))
+        print(upgraded_dir(args.base_dir, args.out_dir, args.noise, not args.no_permute, args.seed))
     else:
         print(f"sharegpt\t{sharegpt_json_path()}")
         print(f"humaneval\t{humaneval_path()}")

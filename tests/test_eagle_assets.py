@@ -171,22 +171,35 @@ def test_converted_model_answers_sensibly(converted):
     assert "Paris" in answer
 
 
-def test_upgraded_checkpoint_moves_decoder_matrices_only(smoke_target_dir, tmp_path):
-    # The base-model upgrade workflow's "new checkpoint": same architecture, other decoder weights.
+def test_upgraded_checkpoint_keeps_the_function_in_another_basis(smoke_target_dir, tmp_path):
+    # The base-model upgrade workflow's "new checkpoint": permuted residual channels give identical
+    # logits and different hidden states; the noise then moves the decoder matrices by 10% of their spread.
     import torch
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
-    out = assets.upgraded_dir(smoke_target_dir, tmp_path / "v2", noise=0.1, seed=0)
+    permuted = assets.upgraded_dir(smoke_target_dir, tmp_path / "permuted", noise=0.0)
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7, 64]])
+    base, new = (
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (smoke_target_dir, permuted)
+    )
+    out_base, out_new = base(ids, output_hidden_states=True), new(ids, output_hidden_states=True)
+    torch.testing.assert_close(out_new.logits, out_base.logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(out_new.hidden_states[2], out_base.hidden_states[2], atol=1e-2)
+    torch.testing.assert_close(  # the same numbers, in another order
+        out_new.hidden_states[2].sort(-1).values, out_base.hidden_states[2].sort(-1).values
+    )
+
+    noisy = assets.upgraded_dir(smoke_target_dir, tmp_path / "noisy", noise=0.1, permute=False)
     before = load_file(str(smoke_target_dir / "model.safetensors"))
-    after = load_file(str(out / "model.safetensors"))
+    after = load_file(str(noisy / "model.safetensors"))
     assert before.keys() == after.keys()
     for name, w in before.items():
         moved = not torch.equal(w, after[name])
         assert moved == (".layers." in name and w.ndim == 2), name
-        if moved:  # noise of 10% of the matrix's own spread, not a different model
+        if moved:
             relative = (after[name].float() - w.float()).std() / w.float().std()
             assert 0.08 < relative < 0.12, (name, relative)
-    assert (out / "config.json").read_text() == (smoke_target_dir / "config.json").read_text()
-    mtime = (out / "model.safetensors").stat().st_mtime_ns
-    assert assets.upgraded_dir(smoke_target_dir, tmp_path / "v2") == out  # built once
-    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    mtime = (noisy / "model.safetensors").stat().st_mtime_ns
+    assert assets.upgraded_dir(smoke_target_dir, tmp_path / "noisy") == noisy  # built once
+    assert (noisy / "model.safetensors").stat().st_mtime_ns == mtime
