@@ -159,7 +159,9 @@ def run(cfg: DictConfig) -> dict:
         skipped.update(split_skipped)
         num_truncated += truncated
     if not samples["train"]:
-        raise ValueError(f"no training samples left from {describe_sources(cfg.data)} (skipped: {dict(skipped)})")
+        raise ValueError(
+            f"no training samples left from {describe_sources(cfg.data)} (skipped: {dict(skipped)})"
+        )
 
     if accelerator.is_main_process:
         counts = count_tokens(
