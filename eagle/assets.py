@@ -168,17 +168,23 @@ def smollm2_dir(out_dir: str | Path) -> Path:
             "dtype": "bfloat16",
             "seconds": round(time.perf_counter() - start, 1),
         }
-        (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        try:
-            # Renaming onto an absent or empty directory is atomic; a non-empty one means another
-            # process finished first, and its complete copy is as good as ours.
-            os.rename(tmp_dir, out_dir)
-        except OSError:
-            if not (out_dir / COMPLETE_MARKER).is_file():
-                raise
+        publish(tmp_dir, out_dir, marker)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
+
+
+def publish(tmp_dir: Path, out_dir: Path, marker: dict) -> None:
+    """Mark the directory built in `tmp_dir` complete and rename it to `out_dir`."""
+    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # Renaming onto an absent or empty directory is atomic; a non-empty one means another
+        # process finished first, and its complete copy is as good as ours.
+        os.rename(tmp_dir, out_dir)
+    except OSError:
+        if not (out_dir / COMPLETE_MARKER).is_file():
+            raise
 
 
 # The base-model upgrade workflow needs a new checkpoint of the same architecture; with no hub here it is
@@ -244,13 +250,7 @@ def upgraded_dir(
         weights = upgraded_weights(load_file(str(weights_files[0])), noise, permute, seed)
         save_file(weights, str(weights_files[0]), metadata={"format": "pt"})
         marker = {"base": str(base_dir), "noise": noise, "permute_residual": permute, "seed": seed}
-        (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(tmp_dir, out_dir)
-        except OSError:
-            if not (out_dir / COMPLETE_MARKER).is_file():
-                raise
+        publish(tmp_dir, out_dir, marker)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
