@@ -42,6 +42,7 @@ lint: setup
 # one (every stage keeps its own finished work: regenerated chunks, cache shards, checkpoints, eval runs).
 # Delete $(MAIN_DIR)/.done-* to redo stages after changing settings.
 main: $(MAIN_DIR)/.done-eval
+	@echo "main job done; report: $(MAIN_DIR)/eval/report.md, model card: $(MAIN_DIR)/export/README.md"
 
 $(MAIN_DIR)/.done-data_prep: | $(STAMP)
 	$(PY) data_prep/main.py experiment=$(MAIN_EXPERIMENT) run_dir=$(MAIN_DIR)
