@@ -217,22 +217,20 @@ def ttt_loss(
     total = torch.zeros((), device=input_ids_BT.device)
     metrics: dict[str, torch.Tensor] = {}
     correct, eligible = [], []
-    t = input_ids_BT.shape[1]
     for step, out_BTH in enumerate(outs):
         valid_BT = step_valid_mask(loss_mask_BT, in_draft_BT, step, attention_mask_BT)
         # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
-        # (answer tokens; never the last 1+k, which have nothing to predict), gathered as [1, M, ...]:
-        # prompt positions cost no lm_head work.
-        kept = max(t - 1 - step, 0)
-        rows = valid_BT[:, :kept].nonzero(as_tuple=True)
+        # (answer tokens; never where t+2+k runs past the end), gathered as [1, M, ...]: prompt positions
+        # cost no lm_head work.
+        batch_M, pos_M = valid_BT.nonzero(as_tuple=True)
         loss, correct_1M, num_valid = step_loss(
-            model.logits(out_BTH[:, :kept][rows])[None],
-            probs_BTVd[:, 1 + step :][rows][None],
-            torch.ones(1, rows[0].numel(), dtype=torch.bool, device=valid_BT.device),
+            model.logits(out_BTH[batch_M, pos_M])[None],
+            probs_BTVd[batch_M, pos_M + 1 + step][None],
+            torch.ones(1, batch_M.numel(), dtype=torch.bool, device=valid_BT.device),
             denominator,
         )
         correct_BT = torch.zeros_like(valid_BT)
-        correct_BT[rows] = correct_1M[0]
+        correct_BT[batch_M, pos_M] = correct_1M[0]
         total = total + gamma**step * loss
         metrics[f"loss_{step}"] = loss.detach()
         metrics[f"acc_{step}"] = correct_BT.sum() / num_valid.clamp(min=1)
