@@ -5,8 +5,14 @@ embedding first), fed at step 0 by `fc` over the target's concatenated aux hidde
 its own pre-norm output; `norm` + `lm_head` decode into the draft vocabulary. Parameter names equal vLLM's
 (`llama_eagle3.py`), so export is a plain state_dict copy minus the frozen target embedding.
 
+P-EAGLE (parallel drafting, DESIGN.md section 8) is this head with `mask_token_id` set: it adds a learned
+`mask_hidden` (the fc input width, vLLM passes it through `fc` like the aux states) that feeds the K-1 mask
+slots of a round, and may stack several decoder layers (layer 0 reads the 2H concatenation, later ones
+are plain H-wide Llama layers, as in vLLM's `llama_eagle3.py`).
+
 This module holds the model and a plain causal forward (one step, what vLLM runs on a prefill); the
-training-time-test rollout with its diagonal attention lives in `train/ttt.py`. Use:
+training-time-test rollout with its diagonal attention lives in `train/ttt.py`, parallel drafting's
+training forward in `train/parallel.py`. Use:
 
     config = Eagle3Config.from_target_config(AutoConfig.from_pretrained(target), [2, 15, 27], 32000)
     draft = Eagle3Draft(config)
@@ -49,6 +55,8 @@ class Eagle3Config:
     rope_scaling: dict | None = None  # RoPE scaling dict (rope_type + its fields), None for plain RoPE
     max_position_embeddings: int = 2048  # longest position; >= the target's or vLLM stops drafting there
     norm_before_residual: bool = False  # residual = hidden_norm(h) instead of raw h (vLLM flag)
+    num_hidden_layers: int = 1  # decoder layers; layer 0 reads cat(embedding, hidden), later ones H wide
+    mask_token_id: int | None = None  # P-EAGLE: the token id of the mask slots (None: sequential EAGLE-3)
 
     def __post_init__(self) -> None:
         if not self.aux_layer_ids:
@@ -69,11 +77,19 @@ class Eagle3Config:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size}: must be in 1..vocab_size={self.vocab_size}"
             )
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: a head needs at least one layer")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id}: not a token id of the {self.vocab_size}-token vocabulary")
         rope_type(self)  # fail at construction, not at the first forward
 
     @property
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
+
+    @property
+    def parallel_drafting(self) -> bool:
+        return self.mask_token_id is not None
 
     @classmethod
     def from_target_config(
@@ -197,9 +213,9 @@ def causal_attention(q_BNTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.T
 
 
 class Eagle3Attention(nn.Module):
-    """q/k/v read the 2H-wide `cat(embedding, hidden)`; o_proj writes H. No biases (vLLM loads none)."""
+    """q/k/v read `input_size` (2H in layer 0: `cat(embedding, hidden)`; H later); o_proj writes H. No biases."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, input_size: int):
         super().__init__()
         h, n, g, d = (
             config.hidden_size,
@@ -208,17 +224,17 @@ class Eagle3Attention(nn.Module):
             config.head_dim,
         )
         self.num_heads, self.num_kv_heads, self.head_dim = n, g, d
-        self.q_proj = nn.Linear(2 * h, n * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, g * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, g * d, bias=False)
+        self.q_proj = nn.Linear(input_size, n * d, bias=False)
+        self.k_proj = nn.Linear(input_size, g * d, bias=False)
+        self.v_proj = nn.Linear(input_size, g * d, bias=False)
         self.o_proj = nn.Linear(n * d, h, bias=False)
 
-    def project(self, x_BT2H: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x_BTX: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [B, N, T, D], rotated keys and values [B, G, T, D]."""
-        b, t, _ = x_BT2H.shape
-        q_BNTD = self.q_proj(x_BT2H).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGTD = self.k_proj(x_BT2H).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BGTD = self.v_proj(x_BT2H).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        b, t, _ = x_BTX.shape
+        q_BNTD = self.q_proj(x_BTX).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGTD = self.k_proj(x_BTX).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGTD = self.v_proj(x_BTX).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q_BNTD, cos_BTD, sin_BTD), apply_rope(k_BGTD, cos_BTD, sin_BTD), v_BGTD
 
     def output(self, attn_BNTD: torch.Tensor) -> torch.Tensor:
@@ -237,17 +253,34 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x_BTH)) * self.up_proj(x_BTH))
 
 
-class Eagle3DecoderLayer(nn.Module):
-    """The decoder layer split around its attention, so TTT can swap in its own key set."""
+class DecoderLayer(nn.Module):
+    """A plain Llama decoder layer (the P-EAGLE layers after the first), split around its attention so
+    the training forwards can swap in their own key sets; it reads and returns the pre-norm residual stream."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, input_size: int | None = None):
         super().__init__()
-        self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = Eagle3Attention(config, input_size or config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
+
+    def project(self, hidden_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(q_BNTD, k_BGTD, v_BGTD, residual_BTH) for one step."""
+        return (*self.self_attn.project(self.input_layernorm(hidden_BTH), cos_BTD, sin_BTD), hidden_BTH)
+
+    def finish(self, attn_BNTD: torch.Tensor, residual_BTH: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output: attention and MLP added onto the residual."""
+        hidden_BTH = self.self_attn.output(attn_BNTD) + residual_BTH
+        return hidden_BTH + self.mlp(self.post_attention_layernorm(hidden_BTH))
+
+
+class Eagle3DecoderLayer(DecoderLayer):
+    """Layer 0: attention reads `cat(input_layernorm(embedding), hidden_norm(hidden))`, width 2H."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config, 2 * config.hidden_size)
+        self.norm_before_residual = config.norm_before_residual
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def project(
         self, embeds_BTH: Tensor, hidden_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor
@@ -258,11 +291,6 @@ class Eagle3DecoderLayer(nn.Module):
         # Embedding first, as vLLM concatenates it; the other order loads fine and drafts garbage.
         x_BT2H = torch.cat([self.input_layernorm(embeds_BTH), normed_BTH], dim=-1)
         return (*self.self_attn.project(x_BT2H, cos_BTD, sin_BTD), residual_BTH)
-
-    def finish(self, attn_BNTD: torch.Tensor, residual_BTH: torch.Tensor) -> torch.Tensor:
-        """The layer's pre-norm output: attention and MLP added onto the residual."""
-        hidden_BTH = self.self_attn.output(attn_BNTD) + residual_BTH
-        return hidden_BTH + self.mlp(self.post_attention_layernorm(hidden_BTH))
 
     def forward(self, embeds_BTH: Tensor, hidden_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> Tensor:
         q_BNTD, k_BGTD, v_BGTD, residual_BTH = self.project(embeds_BTH, hidden_BTH, cos_BTD, sin_BTD)
@@ -277,7 +305,13 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.requires_grad_(False)  # the target's, frozen; see load_target_embedding
         self.fc = nn.Linear(config.num_aux * h, h, bias=False)
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
+        self.layers = nn.ModuleList(
+            [Eagle3DecoderLayer(config)] + [DecoderLayer(config) for _ in range(config.num_hidden_layers - 1)]
+        )
+        if config.parallel_drafting:
+            # The mask slots' stand-in for the aux states: vLLM passes it through `fc` once at load.
+            # Unit scale like the aux states; `hidden_norm` removes the scale after `fc` anyway.
+            self.mask_hidden = nn.Parameter(torch.randn(1, config.num_aux * h))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         # Not persistent: derived from the config, so it never reaches a checkpoint or the export.
@@ -306,10 +340,18 @@ class Eagle3Draft(nn.Module):
     def rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(self.inv_freq, positions_BT)
 
+    def mask_state(self) -> torch.Tensor:
+        """[1, 1, H]: the hidden state every mask slot reads, `fc(mask_hidden)` as vLLM computes it."""
+        return self.fc(self.mask_hidden.to(self.fc.weight.dtype))[None]
+
     def forward(self, input_ids_BT: Tensor, hidden_BTH: Tensor, positions_BT: Tensor) -> Tensor:
-        """One causal step (vLLM's prefill): pre-norm output [B, T, H], the hidden fed to the next step."""
+        """One causal pass (vLLM's prefill): the last layer's pre-norm output [B, T, H]."""
         cos_BTD, sin_BTD = self.rope(positions_BT)
-        return self.layer(self.embed(input_ids_BT), hidden_BTH, cos_BTD, sin_BTD)
+        out_BTH = self.layer(self.embed(input_ids_BT), hidden_BTH, cos_BTD, sin_BTD)
+        for layer in self.layers[1:]:
+            q_BNTD, k_BGTD, v_BGTD, residual_BTH = layer.project(out_BTH, cos_BTD, sin_BTD)
+            out_BTH = layer.finish(causal_attention(q_BNTD, k_BGTD, v_BGTD), residual_BTH)
+        return out_BTH
 
     def logits(self, out_BTH: torch.Tensor) -> torch.Tensor:
         """[B, T, Vd] draft-vocabulary logits of a pre-norm layer output."""

@@ -21,6 +21,9 @@ One request, in vLLM's order so that the counts equal its counters:
    greedy tokens is accepted, then its bonus token; (k, accepted) is counted before any stop or max-tokens
    truncation, as vLLM's scheduler counts;
 4. repeat until `max_new_tokens` or a stop token.
+Parallel drafting (P-EAGLE, a head with a mask token): step 2 proposes the whole chain in one pass - draft 1
+from the last verified position, drafts 2..k from k-1 mask slots at positions t+1..t+k-1 that read the
+mask token beside `fc(mask_hidden)` and attend to the cache and to each other, causally.
 
 Shape legend: B batch (1), T positions, S key positions, A aux layers, H hidden, N query heads,
 G key/value heads, D head dim, V target vocab, Vd draft vocab.
@@ -46,11 +49,16 @@ from eagle.vocab import load_vocab_map
 
 @dataclass
 class DraftHead:
-    kind: str  # eagle3 | eagle1
+    kind: str  # eagle3 (P-EAGLE heads included: an EAGLE-3 architecture) | eagle1
     draft: Eagle3Draft | Eagle1Draft
     aux_layer_ids: list[int]  # EAGLE-3: the target layers feeding `fc`; EAGLE-1: none (final state)
     draft_to_target: Tensor | None  # EAGLE-3: [Vd] target id of each draft token
     lm_head_VH: Tensor | None  # EAGLE-1: the target's lm_head, which decodes the predicted features
+
+    @property
+    def parallel(self) -> bool:
+        """True for a P-EAGLE head: one pass drafts the whole chain."""
+        return self.kind == "eagle3" and self.draft.config.parallel_drafting
 
 
 def inference_device() -> str:
@@ -66,7 +74,7 @@ def load_head(head_dir: Path, target, weight_dtype: str = "float32") -> DraftHea
     """
     head_dir = Path(head_dir)
     head_config = json.loads((head_dir / "draft_config.json").read_text())
-    kind = head_config["kind"]
+    kind = {"peagle": "eagle3"}.get(head_config["kind"], head_config["kind"])
     if kind == "eagle3":
         draft = Eagle3Draft(Eagle3Config.from_dict(head_config["config"]))
     elif kind == "eagle1":
@@ -115,28 +123,36 @@ def attend(q_BNTD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor) -> Tensor:
 
 
 class DraftState:
-    """The head's keys/values of positions 0..length-1, computed from the target's features only."""
+    """The head's keys/values (one (k, v) pair per decoder layer) of positions 0..length-1, computed from
+    the target's features only."""
 
     def __init__(self, head: DraftHead):
         self.head = head
-        self.k_BGSD: Tensor | None = None
-        self.v_BGSD: Tensor | None = None
+        self.kv: list[tuple[Tensor, Tensor]] | None = None
         self.length = 0
 
-    def layer(self, ids: list[int], hidden_BTH: Tensor, start: int, past: tuple[Tensor, Tensor] | None):
-        """The decoder layer on T new positions after the `past` keys/values: (pre-norm out, k, v)."""
-        draft, layer = self.head.draft, self.head.draft.layer
+    def layers(self, ids: list[int], hidden_BTH: Tensor, start: int, past: list[tuple[Tensor, Tensor]] | None):
+        """The decoder layers on T new positions after the `past` keys/values (per layer; None: empty), the
+        T new ones attending causally among themselves: (last layer's pre-norm out, keys/values per layer)."""
+        draft = self.head.draft
         device = hidden_BTH.device
         embeds_BTH = draft.embed(torch.tensor([ids], device=device))
         cos_BTD, sin_BTD = draft.rope(torch.arange(start, start + len(ids), device=device)[None])
-        if self.head.kind == "eagle3":
-            q_BNTD, k_BGTD, v_BGTD, residual_BTH = layer.project(embeds_BTH, hidden_BTH, cos_BTD, sin_BTD)
-        else:  # EAGLE-1: fc over cat(embedding, feature); attention reads it un-normed, residual is it
-            residual_BTH = draft.fc(torch.cat([embeds_BTH, hidden_BTH], dim=-1))
-            q_BNTD, k_BGTD, v_BGTD = layer.self_attn.project(residual_BTH, cos_BTD, sin_BTD)
-        if past is not None:
-            k_BGTD, v_BGTD = torch.cat([past[0], k_BGTD], dim=2), torch.cat([past[1], v_BGTD], dim=2)
-        return layer.finish(attend(q_BNTD, k_BGTD, v_BGTD), residual_BTH), k_BGTD, v_BGTD
+        out_BTH, kv = hidden_BTH, []
+        for index, layer in enumerate(draft.layers):
+            if index > 0:
+                q_BNTD, k_BGTD, v_BGTD, residual_BTH = layer.project(out_BTH, cos_BTD, sin_BTD)
+            elif self.head.kind == "eagle3":
+                q_BNTD, k_BGTD, v_BGTD, residual_BTH = layer.project(embeds_BTH, hidden_BTH, cos_BTD, sin_BTD)
+            else:  # EAGLE-1: fc over cat(embedding, feature); attention reads it un-normed, residual is it
+                residual_BTH = draft.fc(torch.cat([embeds_BTH, hidden_BTH], dim=-1))
+                q_BNTD, k_BGTD, v_BGTD = layer.self_attn.project(residual_BTH, cos_BTD, sin_BTD)
+            if past is not None:
+                k_BGTD = torch.cat([past[index][0], k_BGTD], dim=2)
+                v_BGTD = torch.cat([past[index][1], v_BGTD], dim=2)
+            out_BTH = layer.finish(attend(q_BNTD, k_BGTD, v_BGTD), residual_BTH)
+            kv.append((k_BGTD, v_BGTD))
+        return out_BTH, kv
 
     def extend(self, next_ids: list[int], features: Tensor) -> Tensor:
         """Read the next verified positions (features of t beside the token at t+1); their keys/values
@@ -145,8 +161,7 @@ class DraftState:
             hidden_BTH = self.head.draft.combine_aux(features)
         else:
             hidden_BTH = features
-        past = None if self.k_BGSD is None else (self.k_BGSD, self.v_BGSD)
-        out_BTH, self.k_BGSD, self.v_BGSD = self.layer(next_ids, hidden_BTH, self.length, past)
+        out_BTH, self.kv = self.layers(next_ids, hidden_BTH, self.length, self.kv)
         self.length += len(next_ids)
         return out_BTH[:, -1:]
 
@@ -160,13 +175,23 @@ class DraftState:
     def propose(self, out_B1H: Tensor, num_draft_tokens: int) -> list[int]:
         """A chain of greedy drafts from the last cached position; the chain's keys are not kept."""
         drafts = [self.token(out_B1H)]
-        past = (self.k_BGSD, self.v_BGSD)
+        if self.head.parallel:
+            return drafts + self.propose_parallel(num_draft_tokens - 1)
+        past = self.kv
         for i in range(1, num_draft_tokens):
             # Step i reads draft token i at position (last cached) + i, fed its previous pre-norm output.
-            out_B1H, k_BGSD, v_BGSD = self.layer([drafts[-1]], out_B1H, self.length - 1 + i, past)
-            past = (k_BGSD, v_BGSD)
+            out_B1H, past = self.layers([drafts[-1]], out_B1H, self.length - 1 + i, past)
             drafts.append(self.token(out_B1H))
         return drafts
+
+    def propose_parallel(self, num_mask_slots: int) -> list[int]:
+        """Drafts 2..k in one pass: mask slots at positions t+1..t+k-1 (t: the last cached position)."""
+        if num_mask_slots == 0:
+            return []
+        draft = self.head.draft
+        hidden_BTH = draft.mask_state().expand(1, num_mask_slots, -1)
+        out_BTH, _ = self.layers([draft.config.mask_token_id] * num_mask_slots, hidden_BTH, self.length, self.kv)
+        return [self.token(out_BTH[:, i : i + 1]) for i in range(num_mask_slots)]
 
 
 def finish(output: list[int], max_new_tokens: int, stop_token_ids) -> tuple[list[int], bool]:

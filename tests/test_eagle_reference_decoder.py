@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from eagle.acceptance import AcceptanceCounts
 from eagle.eagle3 import Eagle3Config, Eagle3Draft
 from eagle.reference_decoder import DraftHead, DraftState, speculative_generate
+from train.parallel import parallel_forward
 from train.ttt import ttt_rollout
 
 
@@ -112,11 +113,51 @@ def test_the_chain_is_trainings_ttt_rollout(target_and_head):
             state.extend(ids[0, 1:5].tolist(), aux_BTAH[:, :4])
         out = state.extend(ids[0, state.length + 1 : t + 2].tolist(), aux_BTAH[:, state.length : t + 1])
         torch.testing.assert_close(out[0, 0], ttt_outs[0][0, t], atol=1e-5, rtol=1e-5)
-        past = (state.k_BGSD, state.v_BGSD)
+        past = state.kv
         for i in range(1, num_steps):
-            out, k, v = state.layer([int(ids[0, t + 1 + i])], out, t + i, past)
-            past = (k, v)
+            out, past = state.layers([int(ids[0, t + 1 + i])], out, t + i, past)
             torch.testing.assert_close(out[0, 0], ttt_outs[i][0, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def target_and_parallel_head(smoke_target_dir):
+    """A two-layer P-EAGLE head on the smoke target (random weights: parity, not quality)."""
+    target = AutoModelForCausalLM.from_pretrained(smoke_target_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    config = Eagle3Config.from_target_config(
+        AutoConfig.from_pretrained(smoke_target_dir), [1, 3, 4], 1024, num_hidden_layers=2, mask_token_id=7
+    )
+    draft = Eagle3Draft(config).eval().requires_grad_(False)
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    return target, DraftHead("eagle3", draft, [1, 3, 4], torch.arange(1024), None)
+
+
+def test_parallel_drafting_is_lossless(target_and_parallel_head):
+    target, head = target_and_parallel_head
+    assert head.parallel
+    for k in (1, 3):
+        output, counts = speculative_generate(target, head, PROMPT, k, max_new_tokens=20)
+        assert output == greedy(target, PROMPT, 20)
+        assert counts.num_draft_tokens == k * counts.num_drafts > 0
+
+
+def test_a_parallel_round_is_trainings_parallel_forward(target_and_parallel_head):
+    """The mask slots the decoder (and vLLM) appends after position t equal training's depths at anchor t:
+    same inputs, positions and attention, through both layers."""
+    _, head = target_and_parallel_head
+    torch.manual_seed(1)
+    num_depths, length = 4, 20
+    ids = torch.randint(0, 1024, (1, length))
+    aux_BTAH = torch.randn(1, length, 3, 256)
+    outs = parallel_forward(head.draft, ids, aux_BTAH, [None] * num_depths)
+    for t in (0, 6, length - 2):
+        state = DraftState(head)
+        out = state.extend(ids[0, 1 : t + 2].tolist(), aux_BTAH[:, : t + 1])
+        torch.testing.assert_close(out[0, 0], outs[0][0, t], atol=1e-5, rtol=1e-5)
+        mask_BTH = head.draft.mask_state().expand(1, num_depths - 1, -1)
+        slots, _ = state.layers([head.draft.config.mask_token_id] * (num_depths - 1), mask_BTH, t + 1, state.kv)
+        for d in range(1, num_depths):
+            torch.testing.assert_close(slots[0, d - 1], outs[d][0, t], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

@@ -31,26 +31,32 @@ def ttt_attention(
     v0_BGTD: Tensor,
     diag_k_BGTJD: Tensor | None = None,
     diag_v_BGTJD: Tensor | None = None,
+    query_positions_BT: Tensor | None = None,
 ) -> Tensor:
     """Attention of one TTT step: causal over step 0, plus the same-position keys of steps 1..k.
 
     Both score blocks share one softmax, so memory is O(T^2 + T*K), never a dense (T x K*T) mask.
     No key-padding mask: batches are right-padded, so a pad key sits after every real position and is
     visible (causal or diagonal) only to pad queries, which get no loss.
+    With `query_positions_BT`, the T queries (and their diagonal keys) belong to those anchor positions of
+    the S step-0 keys instead of to positions 0..S-1 (P-EAGLE's subsampled deeper depths).
     """
     b, n, t, d = q_BNTD.shape
-    g = k0_BGTD.shape[1]
+    g, s = k0_BGTD.shape[1], k0_BGTD.shape[2]
     # Query head n reads key/value head n // R (HF's repeat_kv order): a view, no copies of the keys.
     q_BGRTD = q_BNTD.view(b, g, n // g, t, d) * d**-0.5
     scores_BGRTT = torch.einsum("bgrtd,bgsd->bgrts", q_BGRTD, k0_BGTD)
-    future_TT = torch.ones(t, t, dtype=torch.bool, device=q_BNTD.device).triu(1)
-    scores_BGRTT = scores_BGRTT.masked_fill(future_TT, float("-inf"))
+    if query_positions_BT is None:
+        future = torch.ones(t, s, dtype=torch.bool, device=q_BNTD.device).triu(1)
+    else:
+        future = (torch.arange(s, device=q_BNTD.device) > query_positions_BT[..., None])[:, None, None]
+    scores_BGRTT = scores_BGRTT.masked_fill(future, float("-inf"))
     if diag_k_BGTJD is None:
         probs_BGRTT = torch.softmax(scores_BGRTT.float(), dim=-1).to(q_BNTD.dtype)
         return torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTT, v0_BGTD).reshape(b, n, t, d)
     scores_BGRTJ = torch.einsum("bgrtd,bgtjd->bgrtj", q_BGRTD, diag_k_BGTJD)
     probs = torch.softmax(torch.cat([scores_BGRTT, scores_BGRTJ], dim=-1).float(), dim=-1).to(q_BNTD.dtype)
-    probs_BGRTT, probs_BGRTJ = probs.split([t, diag_k_BGTJD.shape[3]], dim=-1)
+    probs_BGRTT, probs_BGRTJ = probs.split([s, diag_k_BGTJD.shape[3]], dim=-1)
     out_BGRTD = torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTT, v0_BGTD)
     out_BGRTD = out_BGRTD + torch.einsum("bgrtj,bgtjd->bgrtd", probs_BGRTJ, diag_v_BGTJD)
     return out_BGRTD.reshape(b, n, t, d)
@@ -185,6 +191,69 @@ def expected_acceptance_length(cond_accs: list[float]) -> float:
     return 1.0 + sum(math.prod(cond_accs[: j + 1]) for j in range(len(cond_accs)))
 
 
+def depth_losses(
+    model: Eagle3Draft,
+    outs: list[Tensor],
+    batch: dict[str, Tensor],
+    probs_BTVd: Tensor,
+    in_draft_BT: Tensor,
+    gamma: float,
+    denominator: Tensor | float | None = None,
+    anchors: list[Tensor | None] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """sum_k gamma^k loss_k and the metrics, from each depth's pre-norm outputs (TTT steps or P-EAGLE depths).
+
+    outs[k] is [B, T, H] (every position an anchor) or, with anchors[k] = index_BM, [B, M, H] at those
+    anchor positions. Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
+    """
+    input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
+    attention_mask_BT = batch.get("attention_mask")
+    total = torch.zeros((), device=input_ids_BT.device)
+    metrics: dict[str, torch.Tensor] = {}
+    correct, eligible = [], []
+    for step, out_BMH in enumerate(outs):
+        index_BM = anchors[step] if anchors is not None else None
+        valid_BT = step_valid_mask(loss_mask_BT, in_draft_BT, step, attention_mask_BT)
+        # Eligible for the acceptance estimate: an assistant token to predict, whatever the target's argmax.
+        eligible_BT = step_valid_mask(loss_mask_BT, torch.ones_like(in_draft_BT), step, attention_mask_BT)
+        if index_BM is None:
+            batch_M, pos_M = valid_BT.nonzero(as_tuple=True)
+            row_M = pos_M
+        else:
+            selected_BT = torch.zeros_like(valid_BT).scatter_(1, index_BM, True)
+            valid_BT, eligible_BT = valid_BT & selected_BT, eligible_BT & selected_BT
+            batch_M, row_M = valid_BT.gather(1, index_BM).nonzero(as_tuple=True)
+            pos_M = index_BM[batch_M, row_M]
+        # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
+        # (answer tokens; never where t+2+k runs past the end), gathered as [1, M, ...]: prompt positions
+        # cost no lm_head work.
+        loss, correct_1M, num_valid = step_loss(
+            model.logits(out_BMH[batch_M, row_M])[None],
+            probs_BTVd[batch_M, pos_M + 1 + step][None],
+            torch.ones(1, batch_M.numel(), dtype=torch.bool, device=valid_BT.device),
+            denominator,
+        )
+        correct_BT = torch.zeros_like(valid_BT)
+        correct_BT[batch_M, pos_M] = correct_1M[0]
+        total = total + gamma**step * loss
+        metrics[f"loss_{step}"] = loss.detach()
+        metrics[f"acc_{step}"] = correct_BT.sum() / num_valid.clamp(min=1)
+        metrics[f"num_valid_{step}"] = num_valid
+        correct.append(correct_BT)
+        eligible.append(eligible_BT)
+    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
+    for step in range(len(outs)):
+        metrics[f"chain_hits_{step}"], metrics[f"chain_total_{step}"] = hits_K[step], totals_K[step]
+    return total, metrics
+
+
+def batch_teacher(batch: dict[str, Tensor], target_lm_head: Tensor, draft_to_target: Tensor, chunk_size: int):
+    """(probs_BTVd, in_draft_BT) at the positions some depth needs: x_{t+1} an answer token."""
+    # The teacher at j serves a loss only where x_{j+1} is an answer token: prompts cost no teacher work.
+    needed_BT = shift_left(batch["loss_mask"].bool(), 1, False)
+    return teacher_probs(batch["final_hidden"], target_lm_head, draft_to_target, chunk_size, needed_BT)
+
+
 def ttt_loss(
     model: Eagle3Draft,
     batch: dict[str, torch.Tensor],
@@ -207,38 +276,7 @@ def ttt_loss(
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
     if not gamma > 0:
         raise ValueError(f"gamma={gamma}: the step weight must be positive")
-    input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
-    attention_mask_BT = batch.get("attention_mask")
-    # The teacher at j serves a loss only where x_{j+1} is an answer token: prompts cost no teacher work.
-    probs_BTVd, in_draft_BT = teacher_probs(
-        batch["final_hidden"], target_lm_head, draft_to_target, chunk_size, shift_left(loss_mask_BT, 1, False)
-    )
-    outs = ttt_rollout(model, input_ids_BT, batch["aux_hidden"], num_steps)
-    total = torch.zeros((), device=input_ids_BT.device)
-    metrics: dict[str, torch.Tensor] = {}
-    correct, eligible = [], []
-    for step, out_BTH in enumerate(outs):
-        valid_BT = step_valid_mask(loss_mask_BT, in_draft_BT, step, attention_mask_BT)
-        # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
-        # (answer tokens; never where t+2+k runs past the end), gathered as [1, M, ...]: prompt positions
-        # cost no lm_head work.
-        batch_M, pos_M = valid_BT.nonzero(as_tuple=True)
-        loss, correct_1M, num_valid = step_loss(
-            model.logits(out_BTH[batch_M, pos_M])[None],
-            probs_BTVd[batch_M, pos_M + 1 + step][None],
-            torch.ones(1, batch_M.numel(), dtype=torch.bool, device=valid_BT.device),
-            denominator,
-        )
-        correct_BT = torch.zeros_like(valid_BT)
-        correct_BT[batch_M, pos_M] = correct_1M[0]
-        total = total + gamma**step * loss
-        metrics[f"loss_{step}"] = loss.detach()
-        metrics[f"acc_{step}"] = correct_BT.sum() / num_valid.clamp(min=1)
-        metrics[f"num_valid_{step}"] = num_valid
-        correct.append(correct_BT)
-        # Eligible for the acceptance estimate: an assistant token to predict, whatever the target's argmax.
-        eligible.append(step_valid_mask(loss_mask_BT, torch.ones_like(in_draft_BT), step, attention_mask_BT))
-    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
-    for step in range(num_steps):
-        metrics[f"chain_hits_{step}"], metrics[f"chain_total_{step}"] = hits_K[step], totals_K[step]
-    return total, metrics
+    assert model.config.num_hidden_layers == 1, "the TTT rollout drives a one-layer head"
+    probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
+    return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator)
