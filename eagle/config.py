@@ -114,12 +114,15 @@ class CacheConfig:
 
 @dataclass
 class HeadConfig:
-    kind: str = "eagle3"  # eagle3 | eagle1
+    kind: str = "eagle3"  # eagle3 | peagle (EAGLE-3 with parallel drafting) | eagle1
     norm_before_residual: bool = (
-        False  # EAGLE-3: residual from the normed hidden state (false = original recipe)
+        False  # EAGLE-3 / P-EAGLE: residual from the normed hidden state (false = original recipe)
     )
-    num_ttt_steps: int = 7  # EAGLE-3 training-time-test rollout depth K
-    ttt_gamma: float = 0.8  # weight of step k's loss is gamma^k
+    num_ttt_steps: int = 7  # depths K trained: EAGLE-3's TTT rollout steps, P-EAGLE's parallel depths
+    ttt_gamma: float = 0.8  # weight of depth k's loss is gamma^k
+    num_layers: int = 1  # P-EAGLE decoder layers (EAGLE-3's TTT rollout drives one)
+    mask_token_id: int | None = None  # P-EAGLE mask slots' token (None: the target's pad, else eos token)
+    cod_ratio: float = 1.0  # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
     eagle1_noise: float = 0.1  # EAGLE-1: input features get U(-noise, noise)
     eagle1_ce_weight: float = 0.1  # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
 

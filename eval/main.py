@@ -42,8 +42,7 @@ from eval.report import log_to_wandb, write_report  # noqa: E402
 from eval.server import VllmServer  # noqa: E402
 from eval.workloads import workload_prompts  # noqa: E402
 from export.card import write_model_card  # noqa: E402
-from export.to_vllm import check_head_fits_target, read_export_config  # noqa: E402
-from export.verify import METHODS  # noqa: E402
+from export.to_vllm import check_head_fits_target, read_export_config, speculative_config  # noqa: E402
 
 log = logging.getLogger("eval")
 
@@ -60,7 +59,7 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
         kind, fields = read_export_config(path)
         check_head_fits_target(path, fields, target_config)
         for k in head.num_speculative_tokens:
-            spec = {"method": METHODS[kind], "model": str(path), "num_speculative_tokens": int(k)}
+            spec = speculative_config(kind, str(path), int(k))
             configs.append(
                 {"config": f"{head.name} k={k}", "head": head.name, "k": int(k), "speculative_config": spec}
             )

@@ -22,8 +22,8 @@ def load_export_head(export_dir: Path, target) -> DraftHead:
     kind, fields = read_export_config(export_dir)
     draft, draft_to_target = read_export(export_dir, target.get_input_embeddings().weight.detach().cpu())
     draft.to(target.device)
-    if kind == "eagle3":
-        return DraftHead(kind, draft, list(fields["aux_layer_ids"]), draft_to_target, None)
+    if kind in ("eagle3", "peagle"):
+        return DraftHead("eagle3", draft, list(fields["aux_layer_ids"]), draft_to_target, None)
     return DraftHead(kind, draft, [], None, target.get_output_embeddings().weight.detach().float())
 
 

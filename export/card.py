@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from export.verify import METHODS
+from export.to_vllm import speculative_config
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
@@ -131,17 +131,17 @@ def model_card(
     target, cache = head_config["target"], head_config.get("cache", {})
     training = head_config.get("training", {})
     settings = training.get("settings", {})
-    speculative = {
-        "method": METHODS[kind],
-        "model": "<this directory>",
-        "num_speculative_tokens": num_speculative_tokens,
-    }
-    name = "EAGLE-3" if kind == "eagle3" else "EAGLE-1"
+    speculative = speculative_config(kind, "<this directory>", num_speculative_tokens)
+    name = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "eagle1": "EAGLE-1"}[kind]
+    num_layers = c.get("num_hidden_layers", 1)
+    drafting = (
+        "parallel drafting: all k drafts of a round in one forward pass" if kind == "peagle" else "chain drafting"
+    )
     lines = [
         f"# {name} draft head for {Path(target['path']).name}",
         "",
-        f"A one-layer {name} draft head for speculative decoding in vLLM, trained with the eagle pipeline "
-        f"on the target's own hidden states.",
+        f"A {num_layers}-layer {name} draft head for speculative decoding in vLLM ({drafting}), trained with "
+        f"the eagle pipeline on the target's own hidden states. Serve it with:",
         "",
         "```bash",
         f"vllm serve {target['path']} --speculative-config '{json.dumps(speculative)}'",
@@ -160,6 +160,8 @@ def model_card(
                 ["draft vocabulary", f"{c.get('draft_vocab_size', c['vocab_size'])} of {c['vocab_size']}"],
                 ["aux layer ids (vLLM convention)", c.get("aux_layer_ids", "final hidden state")],
                 ["norm_before_residual", c.get("norm_before_residual", "n/a")],
+                ["decoder layers", num_layers],
+                ["mask token id (parallel drafting)", c.get("mask_token_id") if kind == "peagle" else "n/a"],
             ],
         ),
         "",
@@ -183,7 +185,10 @@ def model_card(
             [
                 ["optimizer steps", training.get("num_steps", "?")],
                 ["processes", training.get("num_processes", "?")],
-                ["TTT steps", settings.get("head", {}).get("num_ttt_steps", "?")],
+                [
+                    "parallel depths" if kind == "peagle" else "TTT steps",
+                    settings.get("head", {}).get("num_ttt_steps", "?"),
+                ],
                 ["learning rate", settings.get("optim", {}).get("lr", "?")],
                 ["micro-batch per process", settings.get("train", {}).get("batch_size", "?")],
                 ["gradient accumulation", settings.get("train", {}).get("gradient_accumulation_steps", "?")],

@@ -7,6 +7,11 @@ Both EAGLE-3 formats share the weights file: flat tensor names (`fc`, `layers.0.
 - speculators: `speculators_model_type: eagle3`, the layer config under `transformer_layer_config`, the
   proposal and verifier under `speculators_config`, and every norm flag explicit (a missing
   `norm_before_residual` means TRUE in this format).
+P-EAGLE (parallel drafting, DESIGN.md section 8) is an EAGLE-3 export plus `mask_hidden` [1, A*H] and the
+mask token: plain = the EAGLE-3 plain config with `mask_token_id` (served with `parallel_drafting: true` in
+the speculative config); speculators = `speculators_model_type: peagle` with `mask_token_id`, which vLLM maps
+to `PeagleLlamaForCausalLM` with parallel drafting on. Both may hold several decoder layers; vLLM builds a
+`hidden_norm` in every layer and loads each, so layers after the first ship an unused all-ones one.
 EAGLE-1 is a plain one-layer Llama config (`architectures: [LlamaForCausalLM]`; vLLM's `method: eagle` maps
 it to its EAGLE Llama) with `fc` and `layers.0.*` minus `input_layernorm`, and no `norm` or `lm_head`: any
 of the three is a load error.
@@ -41,7 +46,7 @@ def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
         "num_attention_heads": c["num_attention_heads"],
         "num_key_value_heads": c["num_key_value_heads"],
         "head_dim": c["head_dim"],
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.get("num_hidden_layers", 1),
         "hidden_act": "silu",
         "vocab_size": c["vocab_size"],
         "rms_norm_eps": c["rms_norm_eps"],
@@ -57,6 +62,7 @@ def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
 def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
     """config.json of the plain EAGLE-3 format."""
     c = head_config
+    parallel = {"mask_token_id": c["mask_token_id"]} if c.get("mask_token_id") is not None else {}
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **llama_layer_config(c, target_config, dtype),
@@ -64,6 +70,7 @@ def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
         "norm_before_residual": c["norm_before_residual"],
         "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
         "num_aux_hidden_states": len(c["aux_layer_ids"]),
+        **parallel,
     }
 
 
@@ -75,14 +82,17 @@ def eagle1_config(head_config: dict, target_config, dtype: str) -> dict:
 def eagle3_speculators_config(
     head_config: dict, target_config, dtype: str, target_path: str, num_speculative_tokens: int
 ) -> dict:
-    """config.json of the speculators format."""
+    """config.json of the speculators format (`peagle` for a head with a mask token)."""
     layer = {
         **llama_layer_config(head_config, target_config, dtype),
         "num_aux_hidden_states": len(head_config["aux_layer_ids"]),
     }
+    algorithm = "eagle3" if head_config.get("mask_token_id") is None else "peagle"
+    parallel = {} if algorithm == "eagle3" else {"mask_token_id": head_config["mask_token_id"]}
     return {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": algorithm,
+        "architectures": ["Eagle3Speculator" if algorithm == "eagle3" else "PEagleSpeculator"],
+        **parallel,
         "transformer_layer_config": layer,
         "draft_vocab_size": head_config["draft_vocab_size"],
         "target_hidden_size": target_config.hidden_size,
@@ -92,7 +102,7 @@ def eagle3_speculators_config(
         "fc_norm": False,
         "norm_output": False,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {
@@ -104,7 +114,15 @@ def eagle3_speculators_config(
     }
 
 
-FORMATS = {"eagle3": ("speculators", "plain"), "eagle1": ("plain",)}
+FORMATS = {"eagle3": ("speculators", "plain"), "peagle": ("speculators", "plain"), "eagle1": ("plain",)}
+METHODS = {"eagle3": "eagle3", "peagle": "eagle3", "eagle1": "eagle"}  # head kind -> vLLM's method
+
+
+def speculative_config(kind: str, model: str, num_speculative_tokens: int) -> dict:
+    """vLLM's `--speculative-config` for an export of `kind`: P-EAGLE is method eagle3 with parallel drafting
+    (explicit, so the plain format serves it too; the speculators `peagle` format turns it on by itself)."""
+    config = {"method": METHODS[kind], "model": model, "num_speculative_tokens": num_speculative_tokens}
+    return config | ({"parallel_drafting": True} if kind == "peagle" else {})
 
 
 def export_head(
@@ -133,7 +151,9 @@ def export_head(
     check_head_fits_target(head_dir, c, target_config)
     weights = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(head_dir / "model.safetensors")).items()}
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
-    if kind == "eagle3":
+    for i in range(1, c.get("num_hidden_layers", 1)):  # vLLM loads a (here unused) hidden_norm per layer
+        weights[f"layers.{i}.hidden_norm.weight"] = torch.ones(c["hidden_size"], dtype=DTYPES[dtype])
+    if kind in ("eagle3", "peagle"):
         vocab = load_vocab_map(head_dir / "vocab.safetensors")
         if vocab.d2t is not None:  # only when pruned: vLLM refuses a d2t it does not need
             weights["d2t"] = vocab.d2t.to(torch.int64)
@@ -193,12 +213,15 @@ def read_export_config(export_dir: Path) -> tuple[str, dict]:
     fields = {k: layer[k] for k in LAYER_FIELDS}
     if "eagle_aux_hidden_state_layer_ids" not in config:
         return "eagle1", fields
-    return "eagle3", {
-        **fields,
+    fields |= {
         "draft_vocab_size": config["draft_vocab_size"],
         "aux_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
         "norm_before_residual": config["norm_before_residual"],
+        "num_hidden_layers": layer.get("num_hidden_layers", 1),
     }
+    if config.get("mask_token_id") is None:
+        return "eagle3", fields
+    return "peagle", {**fields, "mask_token_id": config["mask_token_id"]}
 
 
 def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
@@ -213,7 +236,9 @@ def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
     kind, fields = read_export_config(export_dir)
     weights = load_file(str(export_dir / "model.safetensors"))
     d2t = weights.pop("d2t", None)
-    draft = Eagle3Draft(Eagle3Config(**fields)) if kind == "eagle3" else Eagle1Draft(Eagle1Config(**fields))
+    for i in range(1, fields.get("num_hidden_layers", 1)):
+        weights.pop(f"layers.{i}.hidden_norm.weight", None)  # vLLM's unused one
+    draft = Eagle1Draft(Eagle1Config(**fields)) if kind == "eagle1" else Eagle3Draft(Eagle3Config(**fields))
     missing, unexpected = draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
     missing = [k for k in missing if k not in EXCLUDED_FROM_EXPORT]
     if missing or unexpected:

@@ -26,7 +26,6 @@ from eagle.acceptance import AcceptanceCounts
 from eagle.reference_decoder import inference_device, load_head, speculative_generate
 
 log = logging.getLogger("export")
-METHODS = {"eagle3": "eagle3", "eagle1": "eagle"}  # head kind -> vLLM's speculative method
 
 
 class VerificationError(RuntimeError):
@@ -81,11 +80,9 @@ def vllm_acceptance(
     """Outputs and counters of vLLM's offline engine serving the target with the export."""
     import vllm
 
-    speculative_config = {
-        "method": METHODS[kind],
-        "model": str(export_dir),
-        "num_speculative_tokens": num_draft_tokens,
-    }
+    from export.to_vllm import speculative_config as make_speculative_config
+
+    speculative_config = make_speculative_config(kind, str(export_dir), num_draft_tokens)
     try:
         llm = vllm.LLM(
             **{

@@ -1,4 +1,5 @@
-"""train: fit an EAGLE-3 draft head on the cache with training-time test (TTT).
+"""train: fit a draft head on the cache: EAGLE-3 with training-time test (TTT), P-EAGLE with parallel
+drafting, or EAGLE-1.
 
     python train/main.py experiment=smoke run_dir=/tmp/smoke
     accelerate launch --num_processes 8 train/main.py run_dir=/runs/llama31 train.report_to=wandb
@@ -6,7 +7,8 @@
 
 Reads <run_dir>/cache (data_prep), writes checkpoints to <run_dir>/ckpt, held-out metrics to
 <run_dir>/train_eval.jsonl and the final head to <run_dir>/draft_head (what export reads).
-The TTT math is in train/ttt.py; the head in eagle/eagle3.py; this file is the loop around them.
+The TTT math is in train/ttt.py, parallel drafting's in train/parallel.py; the heads in eagle/eagle3.py
+(EAGLE-3 and P-EAGLE) and eagle/eagle1.py; this file is the loop around them.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from train.checkpoint import (  # noqa: E402
 )
 from train.data import collate, plan_epoch  # noqa: E402
 from train.eagle1_loss import eagle1_loss  # noqa: E402
+from train.parallel import parallel_loss  # noqa: E402
 from train.ttt import conditional_accuracies, expected_acceptance_length, ttt_loss  # noqa: E402
 
 log = logging.getLogger("train")
@@ -53,8 +56,9 @@ log = logging.getLogger("train")
 class DraftWithLoss(torch.nn.Module):
     """The head plus its objective in one forward, so DDP / DeepSpeed see a single module call.
 
-    EAGLE-3: the TTT loss (train/ttt.py). EAGLE-1: feature regression + soft CE (train/eagle1_loss.py),
-    reported as one step (loss_0, acc_0) so the loop treats both heads alike.
+    EAGLE-3: the TTT loss (train/ttt.py). P-EAGLE: the parallel-drafting loss (train/parallel.py), with
+    COD subsampling while training only (held-out metrics see every anchor). EAGLE-1: feature regression
+    + soft CE (train/eagle1_loss.py), reported as one step (loss_0, acc_0) so the loop treats all alike.
     """
 
     def __init__(self, draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
@@ -65,6 +69,12 @@ class DraftWithLoss(torch.nn.Module):
         self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
 
     def forward(self, batch, denominator=None):
+        if self.kind == "peagle":
+            return parallel_loss(
+                self.draft, batch, self.num_steps, self.head_cfg.ttt_gamma, self.target_lm_head,
+                self.draft_to_target, self.chunk_size, denominator,
+                cod_ratio=self.head_cfg.cod_ratio if self.training else 1.0,
+            )  # fmt: skip
         if self.kind == "eagle3":
             return ttt_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.ttt_gamma, self.target_lm_head,
@@ -86,8 +96,8 @@ class DraftWithLoss(torch.nn.Module):
 
 
 def num_loss_steps(cfg) -> int:
-    """Drafting depths the objective trains and reports: K for EAGLE-3, one for EAGLE-1."""
-    return cfg.head.num_ttt_steps if cfg.head.kind == "eagle3" else 1
+    """Drafting depths the objective trains and reports: K for EAGLE-3 and P-EAGLE, one for EAGLE-1."""
+    return 1 if cfg.head.kind == "eagle1" else cfg.head.num_ttt_steps
 
 
 def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None:
@@ -114,17 +124,46 @@ def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None
 def build_draft(cfg, target_config, cache_manifest, vocab):
     """A freshly initialised head of `head.kind`, sized from the target and the cache."""
     torch.manual_seed(cfg.seed)
-    if cfg.head.kind == "eagle3":
-        config = Eagle3Config.from_target_config(
-            target_config,
-            aux_layer_ids=cache_manifest["aux_layer_ids"],
-            draft_vocab_size=vocab.draft_vocab_size,
-            norm_before_residual=cfg.head.norm_before_residual,
+    if cfg.head.kind not in ("eagle3", "peagle", "eagle1"):
+        raise ValueError(f"head.kind={cfg.head.kind!r}: choose eagle3, peagle or eagle1")
+    if cfg.head.num_layers != 1 and cfg.head.kind != "peagle":
+        raise ValueError(
+            f"head.num_layers={cfg.head.num_layers}: only P-EAGLE heads (head.kind=peagle) stack several "
+            f"decoder layers here; {cfg.head.kind} heads have one"
         )
-        return Eagle3Draft(config)
     if cfg.head.kind == "eagle1":
         return Eagle1Draft(Eagle1Config.from_target_config(target_config))
-    raise ValueError(f"head.kind={cfg.head.kind!r}: choose eagle3 or eagle1")
+    parallel = {}
+    if cfg.head.kind == "peagle":
+        parallel = {"num_hidden_layers": cfg.head.num_layers, "mask_token_id": mask_token_id(cfg, target_config)}
+    config = Eagle3Config.from_target_config(
+        target_config,
+        aux_layer_ids=cache_manifest["aux_layer_ids"],
+        draft_vocab_size=vocab.draft_vocab_size,
+        norm_before_residual=cfg.head.norm_before_residual,
+        **parallel,
+    )
+    return Eagle3Draft(config)
+
+
+def mask_token_id(cfg, target_config) -> int:
+    """P-EAGLE's mask token: `head.mask_token_id`, else the target's pad token, else its (first) eos token.
+
+    An existing token, frozen: vLLM feeds the mask slots the target's own embedding of this id, so a learned
+    mask embedding would mean shipping a whole embedding table; the learned `mask_hidden` (A*H wide,
+    through `fc`) carries what the slots need to learn.
+    """
+    if cfg.head.mask_token_id is not None:
+        return int(cfg.head.mask_token_id)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(target_config, name, None)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int):
+            return value
+    raise ValueError(
+        f"target {cfg.target.path}: its config names no pad or eos token; give P-EAGLE's mask token with "
+        "head.mask_token_id=<token id>"
+    )
 
 
 def resume_mode(value) -> str:
