@@ -9,6 +9,11 @@
    training and serving (layer ids, norm placement, RoPE, vocabulary mapping) - the failure that loads
    without error and silently lowers acceptance (DESIGN.md section 5).
 
+3. Export identity: the export read back (config fields and tensors) must equal the trained head rounded to
+   the export's dtype. Acceptance alone cannot see a field the head barely depends on: measured on the smoke
+   P-EAGLE head, another mask token id or a zeroed mask_hidden moved vLLM's mean acceptance length by less
+   than 1%, inside the tolerance.
+
 The reference uses the trained head with its weights rounded to the export's dtype, so a bf16 export is
 compared against exactly the values vLLM loads. Use `verify_export(...)`; export/main.py calls it.
 """
@@ -112,6 +117,32 @@ def vllm_acceptance(
     return outputs, counts
 
 
+def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> list[str]:
+    """Where the export, read as vLLM reads it, differs from the trained head (empty when it does not)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagle.target import DTYPES
+    from export.to_vllm import read_export_config
+
+    _, fields = read_export_config(export_dir)
+    trained = json.loads((head_dir / "draft_config.json").read_text())["config"]
+    # The export raises max_position_embeddings to the target's on purpose.
+    differences = [
+        f"{k}: export {fields[k]!r}, trained {trained[k]!r}"
+        for k in fields
+        if k in trained and k != "max_position_embeddings" and fields[k] != trained[k]
+    ]
+    exported = load_file(str(export_dir / "model.safetensors"))
+    for name, tensor in load_file(str(head_dir / "model.safetensors")).items():
+        if name not in exported:
+            differences.append(f"{name}: missing from the export")
+        elif not torch.equal(exported[name].float(), tensor.to(DTYPES[export_dtype]).float()):
+            differences.append(f"{name}: other values in the export")
+    return differences
+
+
 def compare(reference: AcceptanceCounts, served: AcceptanceCounts, tolerance: float) -> dict:
     """The gaps between the two decoders and whether they are within `tolerance`."""
     length_gap = abs(served.mean_acceptance_length / reference.mean_acceptance_length - 1)
@@ -188,13 +219,24 @@ def verify_export(
         "reference": reference.summary(),
         "vllm": served.summary(),
         "parity": compare(reference, served, tolerance),
+        "export_differences": export_differences(export_dir, head_dir, export_dtype),
         "seconds": time.perf_counter() - start,
     }
     log.info("%s", format_report(report))
+    if report["export_differences"]:
+        raise VerificationError(
+            f"{export_dir} is not the trained head {head_dir}: "
+            + "; ".join(report["export_differences"])
+            + (" (vLLM's acceptance matched regardless)" if report["parity"]["passed"] else "")
+            + "\n"
+            + format_report(report),
+            report,
+        )
     if not report["parity"]["passed"]:
         raise VerificationError(
             f"vLLM's acceptance differs from the reference decoder's for {export_dir}: a flag or convention "
-            "differs between training and serving (aux layer ids, norm_before_residual, RoPE, d2t).\n"
+            "differs between training and serving (aux layer ids, norm_before_residual, RoPE, d2t; for P-EAGLE the "
+            "mask token id and mask_hidden).\n"
             + format_report(report),
             report,
         )

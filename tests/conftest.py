@@ -61,6 +61,19 @@ def regen_head(regen_run, tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def regen_peagle_head(regen_run, tmp_path_factory) -> Path:
+    """regen_run plus a two-layer P-EAGLE head trained on it (parallel drafting; ~1 min)."""
+    from train.main import run
+
+    run_dir = tmp_path_factory.mktemp("regen_peagle_head") / "run"
+    shutil.copytree(regen_run, run_dir)
+    overrides = ["train.eval_every=0", "train.save_every=0", "train.num_threads=1", "train.num_epochs=8"]
+    overrides += ["head.kind=peagle", "head.num_layers=2"]
+    run(smoke_config(run_dir, *overrides, experiment="smoke_regen"))
+    return run_dir
+
+
 @pytest.fixture
 def subprocess_env():
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -19,6 +19,7 @@ from export.to_vllm import export_head, read_export
 from export.verify import VerificationError, verify_export
 from tests.conftest import smoke_config
 from train.main import run as train
+from train.parallel import parallel_forward
 
 
 def trained(source, tmp_path_factory, name, *overrides, experiment="smoke"):
@@ -38,6 +39,48 @@ def trained_run(smoke_run, tmp_path_factory):
 @pytest.fixture(scope="module")
 def eagle1_run(smoke_run, tmp_path_factory):
     return trained(smoke_run, tmp_path_factory, "export1", "train.max_steps=4", "head.kind=eagle1")
+
+
+@pytest.fixture(scope="module")
+def peagle_run(smoke_run, tmp_path_factory):
+    overrides = ("train.max_steps=4", "head.kind=peagle", "head.num_layers=2", "head.mask_token_id=5")
+    return trained(smoke_run, tmp_path_factory, "export_p", *overrides)
+
+
+def test_peagle_exports_carry_the_mask_token_and_state(peagle_run):
+    target_config = AutoConfig.from_pretrained(peagle_run / "smoke_target")
+    plain = export_head(peagle_run / "draft_head", peagle_run / "p_plain", target_config, fmt="plain")
+    config = json.loads((plain / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 2
+    assert config["mask_token_id"] == 5
+    weights = load_file(str(plain / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 3 * 256)
+    assert weights["layers.1.self_attn.q_proj.weight"].shape[1] == 256  # later layers read H, not 2H
+    assert torch.equal(weights["layers.1.hidden_norm.weight"].float(), torch.ones(256))  # vLLM loads one
+    spec = export_head(peagle_run / "draft_head", peagle_run / "p_spec", target_config, target_path="t")
+    config = json.loads((spec / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 5
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert config["speculators_config"]["algorithm"] == "peagle"
+
+
+@pytest.mark.parametrize("fmt", ["plain", "speculators"])
+def test_peagle_round_trip_gives_the_heads_rounds(peagle_run, fmt):
+    target_dir = peagle_run / "smoke_target"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    out = export_head(
+        peagle_run / "draft_head", peagle_run / f"prt_{fmt}", AutoConfig.from_pretrained(target_dir), "float32", fmt
+    )
+    original = load_head(peagle_run / "draft_head", target)
+    loaded, _ = read_export(out, target.get_input_embeddings().weight)
+    assert loaded.config == original.draft.config and loaded.config.mask_token_id == 5
+    torch.manual_seed(0)
+    ids, aux = torch.randint(0, 1024, (2, 12)), torch.randn(2, 12, 3, 256)
+    with torch.no_grad():
+        expected = parallel_forward(original.draft, ids, aux, [None] * 3)
+        got = parallel_forward(loaded, ids, aux, [None] * 3)
+    for d in range(3):
+        assert torch.equal(loaded.logits(got[d]), original.draft.logits(expected[d]))
 
 
 def test_plain_eagle3_export_has_exactly_what_vllm_reads(trained_run):
@@ -185,6 +228,59 @@ def test_vllm_eagle1_export_loads_and_matches(regen_run, tmp_path_factory):
     report = export(smoke_config(run_dir, "export.verify=true", experiment="smoke_regen"))["verification"]
     assert report["vllm"]["num_drafts"] > 0 and report["parity"]["passed"]
     assert report["vllm"]["accepted_per_position"] == report["reference"]["accepted_per_position"]
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "plain"])
+def test_vllm_drafts_a_peagle_head_in_parallel_at_the_reference_decoders_rate(regen_peagle_head, fmt):
+    """Two decoder layers, mask slots: vLLM's parallel drafting and the reference's parallel rounds agree."""
+    out_dir = regen_peagle_head / f"export_{fmt}"
+    overrides = [f"export.format={fmt}", f"export.out_dir={out_dir}", "export.verify=true"]
+    report = export(smoke_config(regen_peagle_head, *overrides, experiment="smoke_regen"))["verification"]
+    served = report["vllm"]
+    assert served["mean_acceptance_length"] >= 1.4 and served["accepted_per_position"][1] > 0
+    assert report["parity"]["passed"] and report["num_identical_outputs"] == report["num_prompts"]
+    card = (out_dir / "README.md").read_text()
+    assert '"parallel_drafting": true' in card and "P-EAGLE" in card
+
+
+def other_mask_token(config: dict, weights: dict) -> None:
+    config["mask_token_id"] = config["mask_token_id"] + 1
+
+
+def zeroed_mask_hidden(config: dict, weights: dict) -> None:
+    weights["mask_hidden"] = torch.zeros_like(weights["mask_hidden"])
+
+
+@pytest.mark.parametrize("mistake", [other_mask_token, zeroed_mask_hidden])
+def test_parity_catches_a_wrong_peagle_export(regen_peagle_head, mistake, tmp_path):
+    """A P-EAGLE export with another mask token or a zeroed mask state loads and drafts; verification must
+    fail. On the looping smoke target the mask slots draft from the context through attention: measured,
+    either mistake moves vLLM's acceptance by less than 1%, inside the parity tolerance - so the
+    export-identity check is what catches them, naming the field."""
+    target_dir = regen_peagle_head / "smoke_target"
+    out = export_head(
+        regen_peagle_head / "draft_head", tmp_path / "wrong", AutoConfig.from_pretrained(target_dir),
+        "float32", "plain",
+    )  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / "model.safetensors"))
+    mistake(config, weights)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(out / "model.safetensors"))
+    cfg = smoke_config(regen_peagle_head, experiment="smoke_regen")
+    tokenizer = load_tokenizer(cfg.target)
+    head_config = json.loads((regen_peagle_head / "draft_head/draft_config.json").read_text())
+    prompts = verification_prompts(cfg, tokenizer, head_config, regen_peagle_head)
+    with pytest.raises(VerificationError, match="is not the trained head") as caught:
+        verify_export(
+            target_dir, regen_peagle_head / "draft_head", out, "peagle", prompts,
+            stop_token_ids(tokenizer, target_dir), export_dtype="float32",
+            vllm_kwargs=dict(cfg.export.vllm_kwargs),
+        )  # fmt: skip
+    report = caught.value.report
+    field = "mask_token_id" if mistake is other_mask_token else "mask_hidden"
+    assert [d.split(":")[0] for d in report["export_differences"]] == [field]
+    assert field in str(caught.value)
 
 
 def wrong_layer_ids(config: dict) -> None:
