@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python data_
 
 from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards  # noqa: E402
 from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: E402
+from eagle.vllm_logs import vllm_log_file  # noqa: E402
 from data_prep.render import render_all  # noqa: E402
 from data_prep.sources import describe_sources, load_conversations  # noqa: E402
 from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
@@ -142,9 +143,10 @@ def run(cfg: DictConfig) -> dict:
     conversations = loaded.conversations
     regen_record = None
     if cfg.regen.enabled:
-        conversations, regen_record = regenerate_rank_share(
-            conversations, str(target_dir(cfg.target)), cfg.regen, cache_dir / "regenerated", accelerator
-        )
+        with vllm_log_file(Path(cfg.run_dir) / "logs" / f"data_prep_regen_rank{accelerator.process_index}.log"):
+            conversations, regen_record = regenerate_rank_share(
+                conversations, str(target_dir(cfg.target)), cfg.regen, cache_dir / "regenerated", accelerator
+            )
         log.info("regenerated answers with the target: %s", regen_record)
 
     split_convs = {

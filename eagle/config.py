@@ -178,8 +178,11 @@ class ExportConfig:
 @dataclass
 class EvalHeadConfig:
     name: str = "head"  # label in reports (compare mode: one entry per head)
-    path: str | None = None  # export directory to serve (None: <run_dir>/export)
+    method: str = "export"  # export (a trained head: EAGLE-3 / P-EAGLE / EAGLE-1) | ngram (vLLM's prompt lookup)
+    path: str | None = None  # export directory to serve (None: <run_dir>/export); unused for ngram
     num_speculative_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # the k sweep
+    prompt_lookup_max: int = 4  # ngram: longest n-gram matched in the prompt and output so far
+    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched
 
 
 @dataclass
@@ -202,6 +205,7 @@ class EvalConfig:
     temperature: float = 0.0  # sampling temperature of every request (0: greedy)
     ignore_eos: bool = False  # generate max_tokens even past the end of an answer
     enable_threshold: float = 1.05  # recommend a head where its best speedup reaches this
+    serve_schedule: bool = True  # serve each recommended per-batch-size k schedule once and measure it
     out_dir: str | None = None  # report directory (None: <run_dir>/eval)
     server_args: dict[str, Any] = field(
         default_factory=dict

@@ -5,12 +5,17 @@ and speedup per workload, concurrency and k; write results.json, report.md, plot
     python eval/main.py run_dir=/runs/llama31 eval.concurrency=[1,4,16,64] +eval.server_args.tensor-parallel-size=1
     python eval/main.py run_dir=/runs/code 'eval.heads=[{name:general,path:/runs/chat/export},{name:code,path:/runs/code/export}]'
 
-For each configuration (the baseline, then each head x k) one `vllm serve` subprocess (eval/server.py) runs
-every workload at every concurrency with streaming requests (eval/client.py). Acceptance comes from the
+For each configuration (the baseline, then each head x k; a head is a trained export - EAGLE-3, P-EAGLE
+with parallel drafting, EAGLE-1 - or vLLM's free ngram drafter, `method: ngram`, the answer to "was training
+worth it?") one `vllm serve` subprocess (eval/server.py) runs every workload at every concurrency with
+streaming requests (eval/client.py). Servers run compiled, as users serve, unless `eval.server_args` says
+otherwise; baseline and heads always share the settings. Acceptance comes from the
 difference of the server's `/metrics` counters around each measured run (eval/prometheus.py), latency
 from client timestamps, speedup from output tokens/s against the baseline on the same prompts, and the
-predicted speedup from eval/economics.py. Finished runs are appended to <out_dir>/runs.jsonl, so an
-interrupted eval continues where it stopped; servers are always shut down (Ctrl-C and SIGTERM included).
+predicted speedup from eval/economics.py, which also turns the best k per concurrency into a deployable
+per-batch-size k schedule; eval serves that schedule once and measures it beside the fixed-k runs.
+Finished runs are appended to <out_dir>/runs.jsonl, so an interrupted eval continues where it stopped;
+servers are always shut down (Ctrl-C and SIGTERM included).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from eval.economics import economics, recommend  # noqa: E402
 from eval.offline import offline_runs  # noqa: E402
 from eval.prometheus import acceptance_counts  # noqa: E402
 from eval.report import log_to_wandb, write_report  # noqa: E402
-from eval.server import VllmServer  # noqa: E402
+from eval.server import ServerError, VllmServer  # noqa: E402
 from eval.workloads import workload_prompts  # noqa: E402
 from export.card import write_model_card  # noqa: E402
 from export.to_vllm import check_head_fits_target, read_export_config, speculative_config  # noqa: E402
@@ -55,13 +60,49 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
         else []
     )
     for head in cfg.eval.heads:
-        path = Path(head.path or run_dir / "export")
-        kind, fields = read_export_config(path)
-        check_head_fits_target(path, fields, target_config)
+        if head.method == "ngram":
+            drafting = "ngram"
+            lookup = {"prompt_lookup_max": head.prompt_lookup_max, "prompt_lookup_min": head.prompt_lookup_min}
+        elif head.method == "export":
+            path = Path(head.path or run_dir / "export")
+            kind, fields = read_export_config(path)
+            check_head_fits_target(path, fields, target_config)
+            drafting = "parallel" if kind == "peagle" else "chain"
+        else:
+            raise ValueError(f"eval.heads[{head.name}].method={head.method!r}: choose export or ngram")
         for k in head.num_speculative_tokens:
-            spec = speculative_config(kind, str(path), int(k))
+            if drafting == "ngram":
+                spec = {"method": "ngram", "num_speculative_tokens": int(k), **lookup}
+            else:
+                spec = speculative_config(kind, str(path), int(k))
             configs.append(
-                {"config": f"{head.name} k={k}", "head": head.name, "k": int(k), "speculative_config": spec}
+                {
+                    "config": f"{head.name} k={k}",
+                    "head": head.name,
+                    "k": int(k),
+                    "drafting": drafting,
+                    "speculative_config": spec,
+                }
+            )
+    return configs
+
+
+def schedule_configs(recommendations: list[dict], workloads) -> list[dict]:
+    """One config per head whose recommended k changes with the batch size: its deployable schedule (from
+    the first workload's recommendation), served once beside the fixed-k runs."""
+    first = workloads[0].name
+    configs = []
+    for rec in recommendations:
+        deploy = rec.get("deploy") or {}
+        if rec["workload"] == first and "num_speculative_tokens_per_batch_size" in deploy:
+            configs.append(
+                {
+                    "config": f"{rec['head']} schedule",
+                    "head": rec["head"],
+                    "k": deploy["num_speculative_tokens"],
+                    "schedule": deploy["num_speculative_tokens_per_batch_size"],
+                    "speculative_config": deploy,
+                }
             )
     return configs
 
@@ -76,7 +117,9 @@ def settings_key(cfg, config: dict, workload, concurrency: int) -> str:
         "ignore_eos": cfg.eval.ignore_eos,
         "server_args": OmegaConf.to_container(cfg.eval.server_args),
         "target": files_fingerprint(Path(str(cfg.target.path))),
-        "head": files_fingerprint(Path(config["speculative_config"]["model"])) if config["head"] else None,
+        "head": files_fingerprint(Path(config["speculative_config"]["model"]))
+        if config["head"] and "model" in config["speculative_config"]
+        else None,
     }
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -134,22 +177,26 @@ def add_comparisons(runs: list[dict]) -> None:
             continue
         r["speedup"] = r["output_tokens_per_s"] / b["output_tokens_per_s"]
         tpot_head, tpot_base = r["tpot_ms"]["mean"], b["tpot_ms"]["mean"]
-        if r["acceptance"] and tpot_head and tpot_base:
-            r["economics"] = economics(r["acceptance"], r["k"], tpot_head, tpot_base, r["speedup"])
+        # A schedule's k changes with the batch: no single-k economics for it.
+        if r["acceptance"] and tpot_head and tpot_base and not r.get("schedule"):
+            drafting = r.get("drafting", "chain")
+            r["economics"] = economics(r["acceptance"], r["k"], tpot_head, tpot_base, r["speedup"], drafting)
 
 
 def headline(runs: list[dict], recommendations: list[dict]) -> list[dict]:
-    """Per (head, workload): the recommended k at each measured concurrency."""
+    """Per (head, workload): the recommended k at each measured concurrency, and its k schedule if served."""
     rows = []
     for rec in recommendations:
-        for r in sorted(runs, key=lambda r: r["concurrency"]):
-            if (r["head"], r["workload"], r["k"]) == (rec["head"], rec["workload"], rec["best_k"]):
+        for r in sorted(runs, key=lambda r: (bool(r.get("schedule")), r["concurrency"])):
+            if (r["head"], r["workload"]) != (rec["head"], rec["workload"]):
+                continue
+            if r.get("schedule") or r["k"] == rec["best_k"]:
                 acceptance = r["acceptance"] or {}
                 rows.append(
                     {
                         "workload": r["workload"],
                         "head": r["head"],
-                        "k": r["k"],
+                        "k": "schedule" if r.get("schedule") else r["k"],
                         "concurrency": r["concurrency"],
                         "mean acceptance length": acceptance.get("mean_acceptance_length"),
                         "output tok/s": r["output_tokens_per_s"],
@@ -221,6 +268,8 @@ def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_
                         "config": config["config"],
                         "head": config["head"],
                         "k": config["k"],
+                        "drafting": config.get("drafting"),
+                        "schedule": config.get("schedule"),
                         "workload": workload.name,
                         "concurrency": concurrency,
                         **result,
@@ -260,7 +309,20 @@ def run(cfg: DictConfig) -> dict:
         runs = served_runs(cfg, configs, prompts, target_path, out_dir)
 
     add_comparisons(runs)
-    recommendations = recommend(runs, cfg.eval.enable_threshold)
+    deployable = {
+        c["head"]: {k: v for k, v in c["speculative_config"].items() if k != "num_speculative_tokens"}
+        for c in configs
+        if c["head"] is not None
+    }
+    recommendations = recommend(runs, cfg.eval.enable_threshold, deployable)
+    schedule_note = None
+    if not cfg.eval.offline and cfg.eval.serve_schedule and (schedules := schedule_configs(recommendations, cfg.eval.workloads)):
+        try:
+            runs = served_runs(cfg, configs + schedules, prompts, target_path, out_dir)
+            add_comparisons(runs)
+        except ServerError as error:  # this vLLM build refused the schedule: say so, keep the fixed-k runs
+            schedule_note = f"vLLM did not serve the per-batch-size k schedule: {error}"
+            log.warning("%s", schedule_note)
     results = {
         "versions": versions(),
         "machine": machine(),
@@ -268,6 +330,7 @@ def run(cfg: DictConfig) -> dict:
         "runs": runs,
         "recommendations": recommendations,
         "headline": headline(runs, recommendations),
+        "schedule_note": schedule_note,
     }
     paths = write_report(results, out_dir)
     for r in runs:

@@ -28,7 +28,7 @@ RUN_COLUMNS = (
     "TPOT p50, ITL p50, ITL p90, ITL p99, failed"
 ).split(", ")
 ECONOMICS_COLUMNS = (
-    "config, workload, concurrency, alpha (i.i.d.), draft cost c, predicted, measured, gap".split(", ")
+    "config, workload, concurrency, drafting, alpha (i.i.d.), draft cost c, predicted, measured, gap".split(", ")
 )
 RECOMMENDATION_COLUMNS = "head workload best_k best_speedup enable breakeven_concurrency text".split()
 LEGEND = (
@@ -149,6 +149,7 @@ def economics_section(runs: list[dict]) -> list[str]:
             r["config"],
             r["workload"],
             r["concurrency"],
+            e.get("drafting", "chain"),
             fmt(e.get("alpha"), ".3f"),
             fmt(e.get("draft_cost"), ".3f"),
             fmt(e.get("predicted_speedup"), ".2f", "x"),
@@ -163,8 +164,10 @@ def economics_section(runs: list[dict]) -> list[str]:
     return [
         "## Predicted vs measured speedup",
         "",
-        "Predicted = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)) from the measured acceptance and draft cost "
-        "(eval/economics.py); gap = measured - predicted.",
+        "Predicted = (1 - alpha^(k+1)) / ((1 - alpha)(n c + 1)) with n = k draft passes per round for chain "
+        "drafting, 1 for parallel drafting and ngram; alpha solves (1 - alpha^(k+1)) / (1 - alpha) = the "
+        "measured mean acceptance length; c from the measured step times (eval/economics.py); gap = "
+        "measured - predicted.",
         "",
         *table(ECONOMICS_COLUMNS, rows),
     ]
@@ -225,6 +228,8 @@ def render_report(results: dict, plots: dict[str, Path]) -> str:
     recommendations = results.get("recommendations") or []
     if recommendations:
         lines += ["", "## Recommendations", "", *(f"- {rec['text']}" for rec in recommendations)]
+    if results.get("schedule_note"):
+        lines += ["", results["schedule_note"]]
     if compare := compare_section(runs, workloads):
         lines += ["", *compare]
     return "\n".join(lines) + "\n"

@@ -101,7 +101,7 @@ def vllm_acceptance(
     except Exception as error:
         raise VerificationError(
             f"vLLM {vllm.__version__} refused the export {export_dir} (speculative_config="
-            f"{speculative_config}): {type(error).__name__}: {error}. vLLM's own log above has the cause."
+            f"{speculative_config}): {type(error).__name__}: {error}. vLLM's own log has the cause."
         ) from error
     try:
         params = vllm.SamplingParams(
@@ -198,10 +198,14 @@ def verify_export(
 
     if not prompts:
         raise ValueError("verification needs at least one prompt")
+    from eagle.vllm_logs import vllm_log_file
+
     start = time.perf_counter()
-    served_outputs, served = vllm_acceptance(
-        target_dir, export_dir, kind, prompts, num_draft_tokens, max_new_tokens, stop_ids, dtype, vllm_kwargs
-    )
+    with vllm_log_file(export_dir.parent / "logs" / f"{export_dir.name}_verify.log") as log_path:
+        served_outputs, served = vllm_acceptance(
+            target_dir, export_dir, kind, prompts, num_draft_tokens, max_new_tokens, stop_ids, dtype, vllm_kwargs
+        )
+    log.info("vLLM's log: %s", log_path)
     if served.num_drafts == 0:
         raise VerificationError(f"vLLM loaded {export_dir} but never drafted with it (no spec-decode steps)")
     reference_outputs, reference = reference_acceptance(

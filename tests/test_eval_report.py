@@ -202,7 +202,7 @@ def test_report_names_both_acceptance_metrics_and_holds_the_other_sections(repor
     ]
     economics = section(text, "## Predicted vs measured speedup")
     e = find_run(results, "code k=2", "code", 4)["economics"]
-    assert row_cells(economics, "code k=2", "code", "4")[5:] == [
+    assert row_cells(economics, "code k=2", "code", "4")[6:] == [
         f"{e['predicted_speedup']:.2f}x",
         f"{e['measured_speedup']:.2f}x",
         f"{e['gap']:+.2f}",

@@ -10,7 +10,14 @@ import pytest
 from eagle.acceptance import AcceptanceCounts
 from eagle.prompts import read_conversations
 from eval.client import RequestResult, percentiles_ms, summarize
-from eval.economics import effective_draft_cost, iid_alpha, predicted_speedup, recommend, tokens_per_verify
+from eval.economics import (
+    effective_draft_cost,
+    iid_alpha,
+    k_schedule,
+    predicted_speedup,
+    recommend,
+    tokens_per_verify,
+)
 from eval.prometheus import acceptance_counts, parse_samples
 from eval.server import serve_command
 from eval.workloads import humaneval_conversations
@@ -56,8 +63,15 @@ def test_economics_by_hand():
     assert predicted_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
     # A verify step of 1.3 baseline steps gives c = 0.1 at k = 3: TPOT 13 ms x 2 tokens/step vs 20 ms.
     assert effective_draft_cost(0.013, 2.0, 0.020, 3) == pytest.approx(0.1)
-    assert iid_alpha([0.8, 0.5, 0.2]) == pytest.approx((0.8 * 0.5 * 0.2) ** (1 / 3))
-    assert iid_alpha([0.8, 0.0]) == 0.0 and math.isnan(iid_alpha([]))
+    # alpha solves the acceptance-length equation (DESIGN.md section 6): 1.875 at k=3 is alpha 0.5; a head
+    # whose third position was never accepted (1.35 at k=3) still has a positive alpha.
+    assert iid_alpha(1.875, 3) == pytest.approx(0.5, abs=1e-9)
+    assert tokens_per_verify(iid_alpha(3.8, 5), 5) == pytest.approx(3.8)
+    assert 0.2 < iid_alpha(1.35, 3) < 0.3 and tokens_per_verify(iid_alpha(1.35, 3), 3) == pytest.approx(1.35)
+    assert iid_alpha(1.0, 3) == 0.0 and iid_alpha(4.0, 3) == 1.0 and math.isnan(iid_alpha(float("nan"), 3))
+    # Parallel drafting pays the draft cost once per round, not k times.
+    assert predicted_speedup(0.5, 3, 0.1, "parallel") == pytest.approx(1.875 / 1.1)
+    assert effective_draft_cost(0.013, 2.0, 0.020, 3, "parallel") == pytest.approx(0.3)
 
 
 def run(head, workload, k, concurrency, speedup):
@@ -84,6 +98,24 @@ def test_recommendation_picks_k_and_finds_where_it_stops_paying():
     assert "enable h with k=3" in chat["text"] and "is below 1.0x from concurrency 16" in chat["text"]
     assert (code["enable"], code["breakeven_concurrency"]) == (False, None)
     assert "do not enable h" in code["text"] and "stays above 1.0x up to concurrency 4" in code["text"]
+    # The deployable schedule: k=3 up to batch 4, off (k=0) above, where no k reached 1.0x.
+    assert chat["best_k_by_concurrency"] == {1: 3, 4: 3, 16: 0}
+    assert chat["k_schedule"] == [[1, 4, 3], [5, 1024, 0]]
+    chat, _ = recommend(runs, 1.05, {"h": {"method": "eagle3", "model": "/m", "parallel_drafting": True}})
+    assert chat["deploy"] == {
+        "method": "eagle3",
+        "model": "/m",
+        "parallel_drafting": True,
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 1024, 0]],
+    }
+    assert "--speculative-config" in chat["text"]
+
+
+def test_k_schedule_covers_every_batch_size_from_one():
+    assert k_schedule({1: 4, 8: 2, 32: 2}) == [[1, 1, 4], [2, 1024, 2]]
+    assert k_schedule({2: 3}) == [[1, 1024, 3]]
+    assert k_schedule({1: 3, 4: 2, 16: 1}) == [[1, 1, 3], [2, 4, 2], [5, 1024, 1]]
 
 
 def test_latency_summary_counts_failures_and_uses_client_times():

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from eval.economics import tokens_per_verify
 from eval.main import run as evaluate
 from eval.server import ServerError, VllmServer
 from export.main import run as export
@@ -49,6 +50,63 @@ def eval_run(regen_head, tmp_path_factory):
         json.dumps({"prompt": "Say hello."}) + "\n" + json.dumps({"prompt": "long " * 1500}) + "\n"
     )
     return run_dir
+
+
+def test_eval_serves_a_parallel_head_ngram_and_a_k_schedule(regen_peagle_head, tmp_path):
+    """A P-EAGLE export (parallel drafting) beside vLLM's free ngram drafter, then a per-batch-size k
+    schedule for the P-EAGLE head served on its own server."""
+    from eval.main import schedule_configs, served_runs
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(regen_peagle_head, run_dir, ignore=shutil.ignore_patterns("export*", "ckpt"))
+    export(smoke_config(run_dir, experiment="smoke_regen"))
+    overrides = [
+        "eval.heads=[{name:peagle,num_speculative_tokens:[3]},{name:ngram,method:ngram,num_speculative_tokens:[3]}]",
+        "eval.workloads=[{name:chat,source:chat,num_prompts:4,max_tokens:32}]",
+        "eval.concurrency=[1,2]",
+    ]
+    cfg = smoke_config(run_dir, *overrides, experiment="smoke_regen")
+    results = evaluate(cfg)
+    runs = {(r["config"], r["concurrency"]): r for r in results["runs"] if not r.get("schedule")}
+    assert set(runs) == {(c, n) for c in ("baseline", "peagle k=3", "ngram k=3") for n in (1, 2)}
+    peagle, ngram = runs[("peagle k=3", 1)], runs[("ngram k=3", 1)]
+    assert peagle["drafting"] == "parallel" and peagle["economics"]["drafting"] == "parallel"
+    assert peagle["acceptance"]["mean_acceptance_length"] >= 1.4  # the parallel head drafts in vLLM
+    assert ngram["acceptance"]["num_drafts"] > 0 and ngram["drafting"] == "ngram"
+    for r in (peagle, ngram):
+        assert r["output_tokens"] == runs[("baseline", 1)]["output_tokens"]  # lossless
+        alpha = r["economics"]["alpha"]
+        assert 0 < alpha < 1 and tokens_per_verify(alpha, 3) == pytest.approx(
+            r["acceptance"]["mean_acceptance_length"]
+        )
+    assert {rec["head"] for rec in results["recommendations"]} == {"peagle", "ngram"}
+    report = (run_dir / "eval" / "report.md").read_text()
+    assert "ngram k=3" in report and "peagle k=3" in report
+
+    # A schedule as eval would recommend it: k=3 at batch size 1, no speculation above.
+    spec = {**peagle_spec(run_dir), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 1024, 0]]}
+    recommendation = {"head": "peagle", "workload": "chat", "deploy": spec}
+    schedules = schedule_configs([recommendation], cfg.eval.workloads)
+    assert schedules[0]["config"] == "peagle schedule" and schedules[0]["k"] == 3
+    prompts = {"chat": workload_prompts(cfg, run_dir)}
+    measured = served_runs(cfg, schedules, prompts, run_dir / "smoke_target", tmp_path)
+    by_concurrency = {r["concurrency"]: r for r in measured}
+    assert by_concurrency[1]["acceptance"]["num_drafts"] > 0  # k=3 at batch size 1
+    # At batch size 2 the schedule turns speculation off: drafts only while one request runs alone.
+    drafts_at_2 = (by_concurrency[2]["acceptance"] or {}).get("num_drafts", 0)
+    assert drafts_at_2 < by_concurrency[1]["acceptance"]["num_drafts"] / 2
+    assert not server_processes(str(run_dir)), "a vLLM server outlived eval"
+
+
+def peagle_spec(run_dir):
+    return {"method": "eagle3", "model": str(run_dir / "export"), "num_speculative_tokens": 3, "parallel_drafting": True}
+
+
+def workload_prompts(cfg, run_dir):
+    from eagle.target import load_tokenizer
+    from eval.workloads import workload_prompts as prompts
+
+    return prompts("chat", load_tokenizer(cfg.target), run_dir / "cache", 4)
 
 
 def test_eval_measures_baseline_and_head(eval_run):

@@ -68,15 +68,20 @@ def test_golden_first_losses_and_final_head(train_run):
     assert evals[-1]["eval/accept_len_k1"] == pytest.approx(1 + evals[-1]["eval/cond_acc_0"])
 
 
-def test_resume_reproduces_the_losses_of_an_uninterrupted_run(train_run):
-    run(train_config(train_run))
+PEAGLE = ("head.kind=peagle", "head.num_layers=2", "head.cod_ratio=0.5")
+
+
+@pytest.mark.parametrize("head", [(), PEAGLE], ids=["eagle3", "peagle"])
+def test_resume_reproduces_the_losses_of_an_uninterrupted_run(train_run, head):
+    """P-EAGLE with COD draws random anchors: the resumed run must draw the same ones."""
+    run(train_config(train_run, *head))
     uninterrupted = step_losses(train_run)
     # A crash after step 6: only the step-4 checkpoint survives, and the log has steps up to 6.
     shutil.rmtree(train_run / "ckpt" / "step-000008")
     shutil.rmtree(train_run / "draft_head")
     lines = (train_run / "train_steps.jsonl").read_text().splitlines()[:6]
     (train_run / "train_steps.jsonl").write_text("\n".join(lines) + "\n")
-    run(train_config(train_run, "train.resume=true"))
+    run(train_config(train_run, "train.resume=true", *head))
     resumed = step_losses(train_run)
     assert sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):
@@ -225,6 +230,30 @@ def test_warm_start_from_an_old_head_and_refusal_of_another_shape(train_run, tmp
         ValueError, match=r"(?s)does not fit this head.*lm_head.weight: old \(256, 256\), new \(512, 256\)"
     ):
         run(train_config(train_run, f"train.init_from={old_head}"))
+
+
+def test_peagle_head_trains_and_warm_starts_from_an_eagle3_head(train_run, tmp_path):
+    run(train_config(train_run, "train.max_steps=4"))
+    eagle3_head = tmp_path / "eagle3_head"
+    shutil.copytree(train_run / "draft_head", eagle3_head)
+    eagle3_acc = json.loads((train_run / "train_eval.jsonl").read_text().splitlines()[-1])["eval/acc_0"]
+    for path in ("ckpt", "draft_head", "train_steps.jsonl", "train_eval.jsonl"):
+        shutil.rmtree(train_run / path) if (train_run / path).is_dir() else (train_run / path).unlink()
+    result = run(train_config(train_run, "head.kind=peagle", f"train.init_from={eagle3_head}"))
+    head = json.loads((train_run / "draft_head" / "draft_config.json").read_text())
+    assert head["kind"] == "peagle" and head["config"]["mask_token_id"] == 0  # the smoke target's pad token
+    assert set(result) >= {"eval/acc_2", "eval/accept_len_k3"}
+    weights = load_file(str(train_run / "draft_head" / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 3 * 256)
+    # Depth 0 of a parallel round is an EAGLE-3 step: the warm-started head's step-0 eval at depth 0 is
+    # the EAGLE-3 head's own final one; the mask state starts fresh.
+    evals = [json.loads(line) for line in (train_run / "train_eval.jsonl").open()]
+    assert evals[0]["step"] == 0 and evals[0]["eval/acc_0"] == pytest.approx(eagle3_acc, rel=1e-5)
+
+
+def test_a_multi_layer_eagle3_head_is_refused(train_run):
+    with pytest.raises(ValueError, match="head.num_layers=2: only P-EAGLE heads"):
+        run(train_config(train_run, "head.num_layers=2"))
 
 
 def test_bf16_mixed_precision_keeps_fp32_master_weights(train_run):

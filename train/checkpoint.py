@@ -153,7 +153,7 @@ def load_warm_start(model: torch.nn.Module, path: Path, vocab: VocabMap | None =
             f"train.init_from={str(path)!r} does not fit this head (another target size, draft vocabulary or "
             "aux layer count?):\n" + "\n".join(mismatched + [f"  {k}: missing" for k in missing])
         )
-    model.load_state_dict({k: weights[k] for k in own}, strict=False)
+    model.load_state_dict({k: weights[k] for k in own if k in weights}, strict=False)
 
 
 def save_head(directory: Path, weights: dict[str, torch.Tensor], vocab_file: Path, config: dict) -> None:
