@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python data_
 
 from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards  # noqa: E402
 from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: E402
-from eagle.vllm_logs import vllm_log_file  # noqa: E402
 from data_prep.render import render_all  # noqa: E402
 from data_prep.sources import describe_sources, load_conversations  # noqa: E402
 from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
@@ -43,6 +42,7 @@ from eagle.target import (  # noqa: E402
     tokenizer_hash,
     weights_hash,
 )
+from eagle.vllm_logs import vllm_log_file  # noqa: E402
 from eagle.vocab import build_vocab_map, count_tokens, save_vocab_map  # noqa: E402
 
 log = logging.getLogger("data_prep")
@@ -143,7 +143,9 @@ def run(cfg: DictConfig) -> dict:
     conversations = loaded.conversations
     regen_record = None
     if cfg.regen.enabled:
-        with vllm_log_file(Path(cfg.run_dir) / "logs" / f"data_prep_regen_rank{accelerator.process_index}.log"):
+        with vllm_log_file(
+            Path(cfg.run_dir) / "logs" / f"data_prep_regen_rank{accelerator.process_index}.log"
+        ):
             conversations, regen_record = regenerate_rank_share(
                 conversations, str(target_dir(cfg.target)), cfg.regen, cache_dir / "regenerated", accelerator
             )

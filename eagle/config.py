@@ -178,7 +178,9 @@ class ExportConfig:
 @dataclass
 class EvalHeadConfig:
     name: str = "head"  # label in reports (compare mode: one entry per head)
-    method: str = "export"  # export (a trained head: EAGLE-3 / P-EAGLE / EAGLE-1) | ngram (vLLM's prompt lookup)
+    method: str = (
+        "export"  # export (a trained head: EAGLE-3 / P-EAGLE / EAGLE-1) | ngram (vLLM's prompt lookup)
+    )
     path: str | None = None  # export directory to serve (None: <run_dir>/export); unused for ngram
     num_speculative_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # the k sweep
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched in the prompt and output so far

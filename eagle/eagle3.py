@@ -80,7 +80,9 @@ class Eagle3Config:
         if self.num_hidden_layers < 1:
             raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: a head needs at least one layer")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id={self.mask_token_id}: not a token id of the {self.vocab_size}-token vocabulary")
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id}: not a token id of the {self.vocab_size}-token vocabulary"
+            )
         rope_type(self)  # fail at construction, not at the first forward
 
     @property
@@ -264,7 +266,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def project(self, hidden_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def project(
+        self, hidden_BTH: Tensor, cos_BTD: Tensor, sin_BTD: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(q_BNTD, k_BGTD, v_BGTD, residual_BTH) for one step."""
         return (*self.self_attn.project(self.input_layernorm(hidden_BTH), cos_BTD, sin_BTD), hidden_BTH)
 

@@ -131,7 +131,9 @@ class DraftState:
         self.kv: list[tuple[Tensor, Tensor]] | None = None
         self.length = 0
 
-    def layers(self, ids: list[int], hidden_BTH: Tensor, start: int, past: list[tuple[Tensor, Tensor]] | None):
+    def layers(
+        self, ids: list[int], hidden_BTH: Tensor, start: int, past: list[tuple[Tensor, Tensor]] | None
+    ):
         """The decoder layers on T new positions after the `past` keys/values (per layer; None: empty), the
         T new ones attending causally among themselves: (last layer's pre-norm out, keys/values per layer)."""
         draft = self.head.draft
@@ -190,7 +192,9 @@ class DraftState:
             return []
         draft = self.head.draft
         hidden_BTH = draft.mask_state().expand(1, num_mask_slots, -1)
-        out_BTH, _ = self.layers([draft.config.mask_token_id] * num_mask_slots, hidden_BTH, self.length, self.kv)
+        out_BTH, _ = self.layers(
+            [draft.config.mask_token_id] * num_mask_slots, hidden_BTH, self.length, self.kv
+        )
         return [self.token(out_BTH[:, i : i + 1]) for i in range(num_mask_slots)]
 
 

@@ -101,14 +101,20 @@ def k_schedule(best_k_by_concurrency: dict[int, int]) -> list[list[int]]:
     return schedule
 
 
-def recommend(runs: list[dict], threshold: float, speculative_configs: dict[str, dict] | None = None) -> list[dict]:
+def recommend(
+    runs: list[dict], threshold: float, speculative_configs: dict[str, dict] | None = None
+) -> list[dict]:
     """Per (head, workload): the best k at the lowest concurrency, whether to enable it (speedup at least
     `threshold`), the first measured concurrency where that k stops paying (speedup below 1.0), and the
     config to deploy: the head's speculative config with a k schedule over batch sizes (the best k at each
     measured concurrency, 0 where no k reaches 1.0x). `speculative_configs`: head -> its speculative config."""
     out = []
     keys = sorted(
-        {(r["head"], r["workload"]) for r in runs if r["head"] is not None and r["speedup"] and not r.get("schedule")}
+        {
+            (r["head"], r["workload"])
+            for r in runs
+            if r["head"] is not None and r["speedup"] and not r.get("schedule")
+        }
     )
     for head, workload in keys:
         mine = [

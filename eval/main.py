@@ -62,7 +62,10 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
     for head in cfg.eval.heads:
         if head.method == "ngram":
             drafting = "ngram"
-            lookup = {"prompt_lookup_max": head.prompt_lookup_max, "prompt_lookup_min": head.prompt_lookup_min}
+            lookup = {
+                "prompt_lookup_max": head.prompt_lookup_max,
+                "prompt_lookup_min": head.prompt_lookup_min,
+            }
         elif head.method == "export":
             path = Path(head.path or run_dir / "export")
             kind, fields = read_export_config(path)
@@ -316,7 +319,11 @@ def run(cfg: DictConfig) -> dict:
     }
     recommendations = recommend(runs, cfg.eval.enable_threshold, deployable)
     schedule_note = None
-    if not cfg.eval.offline and cfg.eval.serve_schedule and (schedules := schedule_configs(recommendations, cfg.eval.workloads)):
+    if (
+        not cfg.eval.offline
+        and cfg.eval.serve_schedule
+        and (schedules := schedule_configs(recommendations, cfg.eval.workloads))
+    ):
         try:
             runs = served_runs(cfg, configs + schedules, prompts, target_path, out_dir)
             add_comparisons(runs)

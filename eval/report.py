@@ -28,7 +28,9 @@ RUN_COLUMNS = (
     "TPOT p50, ITL p50, ITL p90, ITL p99, failed"
 ).split(", ")
 ECONOMICS_COLUMNS = (
-    "config, workload, concurrency, drafting, alpha (i.i.d.), draft cost c, predicted, measured, gap".split(", ")
+    "config, workload, concurrency, drafting, alpha (i.i.d.), draft cost c, predicted, measured, gap".split(
+        ", "
+    )
 )
 RECOMMENDATION_COLUMNS = "head workload best_k best_speedup enable breakeven_concurrency text".split()
 LEGEND = (

@@ -135,7 +135,9 @@ def model_card(
     name = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "eagle1": "EAGLE-1"}[kind]
     num_layers = c.get("num_hidden_layers", 1)
     drafting = (
-        "parallel drafting: all k drafts of a round in one forward pass" if kind == "peagle" else "chain drafting"
+        "parallel drafting: all k drafts of a round in one forward pass"
+        if kind == "peagle"
+        else "chain drafting"
     )
     lines = [
         f"# {name} draft head for {Path(target['path']).name}",

@@ -203,7 +203,15 @@ def verify_export(
     start = time.perf_counter()
     with vllm_log_file(export_dir.parent / "logs" / f"{export_dir.name}_verify.log") as log_path:
         served_outputs, served = vllm_acceptance(
-            target_dir, export_dir, kind, prompts, num_draft_tokens, max_new_tokens, stop_ids, dtype, vllm_kwargs
+            target_dir,
+            export_dir,
+            kind,
+            prompts,
+            num_draft_tokens,
+            max_new_tokens,
+            stop_ids,
+            dtype,
+            vllm_kwargs,
         )
     log.info("vLLM's log: %s", log_path)
     if served.num_drafts == 0:
@@ -240,8 +248,7 @@ def verify_export(
         raise VerificationError(
             f"vLLM's acceptance differs from the reference decoder's for {export_dir}: a flag or convention "
             "differs between training and serving (aux layer ids, norm_before_residual, RoPE, d2t; for P-EAGLE the "
-            "mask token id and mask_hidden).\n"
-            + format_report(report),
+            "mask token id and mask_hidden).\n" + format_report(report),
             report,
         )
     return report

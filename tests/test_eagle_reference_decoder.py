@@ -155,7 +155,9 @@ def test_a_parallel_round_is_trainings_parallel_forward(target_and_parallel_head
         out = state.extend(ids[0, 1 : t + 2].tolist(), aux_BTAH[:, : t + 1])
         torch.testing.assert_close(out[0, 0], outs[0][0, t], atol=1e-5, rtol=1e-5)
         mask_BTH = head.draft.mask_state().expand(1, num_depths - 1, -1)
-        slots, _ = state.layers([head.draft.config.mask_token_id] * (num_depths - 1), mask_BTH, t + 1, state.kv)
+        slots, _ = state.layers(
+            [head.draft.config.mask_token_id] * (num_depths - 1), mask_BTH, t + 1, state.kv
+        )
         for d in range(1, num_depths):
             torch.testing.assert_close(slots[0, d - 1], outs[d][0, t], atol=1e-5, rtol=1e-5)
 

@@ -99,7 +99,12 @@ def test_eval_serves_a_parallel_head_ngram_and_a_k_schedule(regen_peagle_head, t
 
 
 def peagle_spec(run_dir):
-    return {"method": "eagle3", "model": str(run_dir / "export"), "num_speculative_tokens": 3, "parallel_drafting": True}
+    return {
+        "method": "eagle3",
+        "model": str(run_dir / "export"),
+        "num_speculative_tokens": 3,
+        "parallel_drafting": True,
+    }
 
 
 def workload_prompts(cfg, run_dir):

@@ -69,7 +69,11 @@ def test_peagle_round_trip_gives_the_heads_rounds(peagle_run, fmt):
     target_dir = peagle_run / "smoke_target"
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     out = export_head(
-        peagle_run / "draft_head", peagle_run / f"prt_{fmt}", AutoConfig.from_pretrained(target_dir), "float32", fmt
+        peagle_run / "draft_head",
+        peagle_run / f"prt_{fmt}",
+        AutoConfig.from_pretrained(target_dir),
+        "float32",
+        fmt,
     )
     original = load_head(peagle_run / "draft_head", target)
     loaded, _ = read_export(out, target.get_input_embeddings().weight)

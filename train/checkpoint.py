@@ -141,7 +141,9 @@ def load_warm_start(model: torch.nn.Module, path: Path, vocab: VocabMap | None =
     fresh = [k for k in missing if k == "mask_hidden" or (k.startswith("layers.") and k.split(".")[1] != "0")]
     if fresh:
         # An EAGLE-3 head (one layer, no mask state) warm-starts a P-EAGLE head: the parallel parts start fresh.
-        log.info("warm start: %d tensors the older head lacks start fresh (%s)", len(fresh), ", ".join(fresh[:4]))
+        log.info(
+            "warm start: %d tensors the older head lacks start fresh (%s)", len(fresh), ", ".join(fresh[:4])
+        )
         missing = [k for k in missing if k not in fresh]
     mismatched = [
         f"  {k}: old {tuple(weights[k].shape)}, new {tuple(v.shape)}"

@@ -135,7 +135,10 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
         return Eagle1Draft(Eagle1Config.from_target_config(target_config))
     parallel = {}
     if cfg.head.kind == "peagle":
-        parallel = {"num_hidden_layers": cfg.head.num_layers, "mask_token_id": mask_token_id(cfg, target_config)}
+        parallel = {
+            "num_hidden_layers": cfg.head.num_layers,
+            "mask_token_id": mask_token_id(cfg, target_config),
+        }
     config = Eagle3Config.from_target_config(
         target_config,
         aux_layer_ids=cache_manifest["aux_layer_ids"],
