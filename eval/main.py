@@ -302,9 +302,11 @@ def run(cfg: DictConfig) -> dict:
         for w in cfg.eval.workloads
     }
     if cfg.eval.offline:
+        # The reference decoder runs trained heads; vLLM's ngram drafter has no offline counterpart here.
         heads = [
             (h.name, Path(h.path or run_dir / "export"), [int(k) for k in h.num_speculative_tokens])
             for h in cfg.eval.heads
+            if h.method == "export"
         ]
         stops = stop_token_ids(tokenizer, target_path)
         runs = offline_runs(target_path, heads, cfg.eval.workloads, prompts, stops)

@@ -88,11 +88,21 @@ def test_resume_reproduces_the_losses_of_an_uninterrupted_run(train_run, head):
         assert resumed[step] == uninterrupted[step], f"step {step}"
 
 
-def test_two_process_ddp_equals_one_process_with_the_same_global_batch(train_run, tmp_path, subprocess_env):
-    run(train_config(train_run, "train.batch_size=4", "train.max_steps=4"))
+@pytest.mark.parametrize("head", [(), PEAGLE[:2]], ids=["eagle3", "peagle"])
+def test_two_process_ddp_equals_one_process_with_the_same_global_batch(
+    train_run, tmp_path, subprocess_env, head
+):
+    run(train_config(train_run, "train.batch_size=4", "train.max_steps=4", *head))
     ddp_dir = tmp_path / "ddp"
     shutil.copytree(train_run, ddp_dir, ignore=shutil.ignore_patterns("ckpt", "draft_head", "train_*"))
-    overrides = ["experiment=smoke", f"run_dir={ddp_dir}", *FAST, "train.batch_size=2", "train.max_steps=4"]
+    overrides = [
+        "experiment=smoke",
+        f"run_dir={ddp_dir}",
+        *FAST,
+        "train.batch_size=2",
+        "train.max_steps=4",
+        *head,
+    ]
     cmd = [
         sys.executable,
         "-m",

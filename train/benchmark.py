@@ -209,8 +209,11 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    if cfg.head.kind != "eagle3":
-        raise ValueError(f"head.kind={cfg.head.kind!r}: the benchmark compares TTT depths of eagle3 heads")
+    if cfg.head.kind not in ("eagle3", "peagle"):
+        raise ValueError(
+            f"head.kind={cfg.head.kind!r}: the benchmark compares the drafting depths of eagle3 (TTT) and "
+            "peagle (parallel) heads"
+        )
     ks = sorted({int(k) for k in args.steps_list.split(",")})
     if ks[0] < 1:
         raise ValueError(f"--steps-list={args.steps_list}: TTT depths start at 1")

@@ -321,8 +321,9 @@ def run(cfg: DictConfig) -> dict:
         init_kwargs={"wandb": {"dir": str(run_dir), "mode": cfg.train.wandb_mode, "name": run_dir.name}},
     )
     log.info(
-        "training %d optimizer steps (%d per epoch, %d samples per step, %d processes), K=%d TTT steps",
-        num_steps, steps_per_epoch, cfg.train.batch_size * world * accumulation, world, cfg.head.num_ttt_steps,
+        "training %d optimizer steps (%d per epoch, %d samples per step, %d processes), %s head, K=%d depths",
+        num_steps, steps_per_epoch, cfg.train.batch_size * world * accumulation, world, cfg.head.kind,
+        num_loss_steps(cfg),
     )  # fmt: skip
     with StopRequest() as stop:
         history = fit(
