@@ -71,7 +71,7 @@ def test_eval_serves_a_parallel_head_ngram_and_a_k_schedule(regen_peagle_head, t
     assert set(runs) == {(c, n) for c in ("baseline", "peagle k=3", "ngram k=3") for n in (1, 2)}
     peagle, ngram = runs[("peagle k=3", 1)], runs[("ngram k=3", 1)]
     assert peagle["drafting"] == "parallel" and peagle["economics"]["drafting"] == "parallel"
-    assert peagle["acceptance"]["mean_acceptance_length"] >= 1.4  # the parallel head drafts in vLLM
+    assert peagle["acceptance"]["mean_acceptance_length"] >= 1.25  # the parallel head drafts in vLLM
     assert ngram["acceptance"]["num_drafts"] > 0 and ngram["drafting"] == "ngram"
     for r in (peagle, ngram):
         assert r["output_tokens"] == runs[("baseline", 1)]["output_tokens"]  # lossless
