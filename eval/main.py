@@ -90,24 +90,26 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
     return configs
 
 
-def schedule_configs(recommendations: list[dict], workloads) -> list[dict]:
+def schedule_configs(recommendations: list[dict], workloads, configs: list[dict] = ()) -> list[dict]:
     """One config per head whose recommended k changes with the batch size: its deployable schedule (from
-    the first workload's recommendation), served once beside the fixed-k runs."""
+    the first workload's recommendation), served once beside the fixed-k runs (`configs`: those runs')."""
     first = workloads[0].name
-    configs = []
+    drafting = {c["head"]: c.get("drafting") for c in configs}
+    schedules = []
     for rec in recommendations:
         deploy = rec.get("deploy") or {}
         if rec["workload"] == first and "num_speculative_tokens_per_batch_size" in deploy:
-            configs.append(
+            schedules.append(
                 {
                     "config": f"{rec['head']} schedule",
                     "head": rec["head"],
                     "k": deploy["num_speculative_tokens"],
+                    "drafting": drafting.get(rec["head"]),
                     "schedule": deploy["num_speculative_tokens_per_batch_size"],
                     "speculative_config": deploy,
                 }
             )
-    return configs
+    return schedules
 
 
 def settings_key(cfg, config: dict, workload, concurrency: int) -> str:
@@ -324,7 +326,7 @@ def run(cfg: DictConfig) -> dict:
     if (
         not cfg.eval.offline
         and cfg.eval.serve_schedule
-        and (schedules := schedule_configs(recommendations, cfg.eval.workloads))
+        and (schedules := schedule_configs(recommendations, cfg.eval.workloads, configs))
     ):
         try:
             runs = served_runs(cfg, configs + schedules, prompts, target_path, out_dir)

@@ -235,20 +235,19 @@ def verify_export(
         "seconds": time.perf_counter() - start,
     }
     log.info("%s", format_report(report))
+    problems = []
+    if not report["parity"]["passed"]:
+        problems.append(
+            f"vLLM's acceptance differs from the reference decoder's for {export_dir}: a flag or convention "
+            "differs between training and serving (aux layer ids, norm_before_residual, RoPE, d2t; for "
+            "P-EAGLE the mask token id and mask_hidden)."
+        )
     if report["export_differences"]:
-        raise VerificationError(
+        problems.append(
             f"{export_dir} is not the trained head {head_dir}: "
             + "; ".join(report["export_differences"])
-            + (" (vLLM's acceptance matched regardless)" if report["parity"]["passed"] else "")
-            + "\n"
-            + format_report(report),
-            report,
+            + (" (vLLM's acceptance matched regardless)." if report["parity"]["passed"] else ".")
         )
-    if not report["parity"]["passed"]:
-        raise VerificationError(
-            f"vLLM's acceptance differs from the reference decoder's for {export_dir}: a flag or convention "
-            "differs between training and serving (aux layer ids, norm_before_residual, RoPE, d2t; for P-EAGLE the "
-            "mask token id and mask_hidden).\n" + format_report(report),
-            report,
-        )
+    if problems:
+        raise VerificationError("\n".join(problems) + "\n" + format_report(report), report)
     return report
