@@ -261,37 +261,40 @@ def test_parity_catches_a_wrong_peagle_export(regen_peagle_head, mistake, tmp_pa
     fail. On the looping smoke target the mask slots draft from the context through attention: measured,
     either mistake moves vLLM's acceptance by less than 1%, inside the parity tolerance - so the
     export-identity check is what catches them, naming the field."""
-    target_dir = regen_peagle_head / "smoke_target"
+    caught = verify_a_wrong_export(regen_peagle_head, "peagle", mistake, tmp_path, "is not the trained head")
+    field = "mask_token_id" if mistake is other_mask_token else "mask_hidden"
+    assert [d.split(":")[0] for d in caught.report["export_differences"]] == [field]
+    assert field in str(caught)
+
+
+def verify_a_wrong_export(run_dir, kind, mistake, tmp_path, match) -> VerificationError:
+    """Export the run's head (plain, fp32), apply `mistake(config, weights)`, verify: the error raised."""
+    target_dir = run_dir / "smoke_target"
     out = export_head(
-        regen_peagle_head / "draft_head", tmp_path / "wrong", AutoConfig.from_pretrained(target_dir),
-        "float32", "plain",
-    )  # fmt: skip
+        run_dir / "draft_head", tmp_path / "wrong", AutoConfig.from_pretrained(target_dir), "float32", "plain"
+    )
     config = json.loads((out / "config.json").read_text())
     weights = load_file(str(out / "model.safetensors"))
     mistake(config, weights)
     (out / "config.json").write_text(json.dumps(config))
     save_file(weights, str(out / "model.safetensors"))
-    cfg = smoke_config(regen_peagle_head, experiment="smoke_regen")
+    cfg = smoke_config(run_dir, experiment="smoke_regen")
     tokenizer = load_tokenizer(cfg.target)
-    head_config = json.loads((regen_peagle_head / "draft_head/draft_config.json").read_text())
-    prompts = verification_prompts(cfg, tokenizer, head_config, regen_peagle_head)
-    with pytest.raises(VerificationError, match="is not the trained head") as caught:
+    head_config = json.loads((run_dir / "draft_head/draft_config.json").read_text())
+    prompts = verification_prompts(cfg, tokenizer, head_config, run_dir)
+    with pytest.raises(VerificationError, match=match) as caught:
         verify_export(
-            target_dir, regen_peagle_head / "draft_head", out, "peagle", prompts,
-            stop_token_ids(tokenizer, target_dir), export_dtype="float32",
-            vllm_kwargs=dict(cfg.export.vllm_kwargs),
+            target_dir, run_dir / "draft_head", out, kind, prompts, stop_token_ids(tokenizer, target_dir),
+            export_dtype="float32", vllm_kwargs=dict(cfg.export.vllm_kwargs),
         )  # fmt: skip
-    report = caught.value.report
-    field = "mask_token_id" if mistake is other_mask_token else "mask_hidden"
-    assert [d.split(":")[0] for d in report["export_differences"]] == [field]
-    assert field in str(caught.value)
+    return caught.value
 
 
-def wrong_layer_ids(config: dict) -> None:
+def wrong_layer_ids(config: dict, weights: dict) -> None:
     config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
 
 
-def flipped_norm_before_residual(config: dict) -> None:
+def flipped_norm_before_residual(config: dict, weights: dict) -> None:
     config["norm_before_residual"] = not config["norm_before_residual"]
 
 
@@ -299,29 +302,14 @@ def flipped_norm_before_residual(config: dict) -> None:
 def test_parity_catches_a_wrong_export(regen_head, mistake, tmp_path):
     """The mistakes that load without error in vLLM (HF's hidden_states index off by one; the other
     residual convention) and silently lower acceptance: the parity check must fail on them."""
-    target_dir = regen_head / "smoke_target"
-    out = export_head(
-        regen_head / "draft_head",
-        tmp_path / "wrong",
-        AutoConfig.from_pretrained(target_dir),
-        "float32",
-        "plain",
+    caught = verify_a_wrong_export(
+        regen_head, "eagle3", mistake, tmp_path, "differs from the reference decoder"
     )
-    config = json.loads((out / "config.json").read_text())
-    mistake(config)
-    (out / "config.json").write_text(json.dumps(config))
-    cfg = smoke_config(regen_head, experiment="smoke_regen")
-    tokenizer = load_tokenizer(cfg.target)
-    head_config = json.loads((regen_head / "draft_head/draft_config.json").read_text())
-    prompts = verification_prompts(cfg, tokenizer, head_config, regen_head)
-    with pytest.raises(VerificationError, match="differs from the reference decoder") as caught:
-        verify_export(
-            target_dir, regen_head / "draft_head", out, "eagle3", prompts,
-            stop_token_ids(tokenizer, target_dir), export_dtype="float32",
-            vllm_kwargs=dict(cfg.export.vllm_kwargs),
-        )  # fmt: skip
-    report = caught.value.report
+    report = caught.report
     assert report["vllm"]["mean_acceptance_length"] < report["reference"]["mean_acceptance_length"] * 0.98
+    # The export-identity check names the same mistake.
+    field = "aux_layer_ids" if mistake is wrong_layer_ids else "norm_before_residual"
+    assert [d.split(":")[0] for d in report["export_differences"]] == [field]
 
 
 def test_a_head_vllm_refuses_fails_loudly(regen_head, tmp_path):
