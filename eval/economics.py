@@ -109,18 +109,10 @@ def recommend(
     config to deploy: the head's speculative config with a k schedule over batch sizes (the best k at each
     measured concurrency, 0 where no k reaches 1.0x). `speculative_configs`: head -> its speculative config."""
     out = []
-    keys = sorted(
-        {
-            (r["head"], r["workload"])
-            for r in runs
-            if r["head"] is not None and r["speedup"] and not r.get("schedule")
-        }
-    )
-    for head, workload in keys:
-        mine = [
-            r for r in runs
-            if r["head"] == head and r["workload"] == workload and r["speedup"] and not r.get("schedule")
-        ]  # fmt: skip
+    # Fixed-k runs with a speedup: a served schedule is the recommendation's outcome, not an input to it.
+    fixed = [r for r in runs if r["head"] is not None and r["speedup"] and not r.get("schedule")]
+    for head, workload in sorted({(r["head"], r["workload"]) for r in fixed}):
+        mine = [r for r in fixed if r["head"] == head and r["workload"] == workload]
         lowest = min(r["concurrency"] for r in mine)
         best = max((r for r in mine if r["concurrency"] == lowest), key=lambda r: r["speedup"])
         curve = sorted((r for r in mine if r["k"] == best["k"]), key=lambda r: r["concurrency"])
