@@ -115,9 +115,14 @@ class CacheConfig:
 @dataclass
 class HeadConfig:
     kind: str = "eagle3"  # eagle3 | peagle (EAGLE-3 with parallel drafting) | eagle1
-    norm_before_residual: bool = (
-        False  # EAGLE-3 / P-EAGLE: residual from the normed hidden state (false = original recipe)
-    )
+    # EAGLE-3 / P-EAGLE normalisation flags (speculators' names and vLLM's meaning; false = original recipe):
+    norm_before_residual: bool = False  # the layer's residual is the normed hidden state, not the raw one
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc
+    fc_norm: bool = False  # one RMSNorm per aux state before fc
+    norm_output: bool = False  # a chain's next step reads the post-norm output (EAGLE-3 TTT; P-EAGLE: unused)
+    lm_head_init: str = "random"  # random | target: lm_head = the target's rows of the draft vocab, norm its
+    freeze_lm_head: bool = False  # keep lm_head fixed (with lm_head_init=target: the target's rows)
+    aux_noise: float = 0.0  # training adds U(-aux_noise, aux_noise) to the aux states (speculators: 0.05)
     num_ttt_steps: int = 7  # depths K trained: EAGLE-3's TTT rollout steps, P-EAGLE's parallel depths
     ttt_gamma: float = 0.8  # weight of depth k's loss is gamma^k
     num_layers: int = 1  # P-EAGLE decoder layers (EAGLE-3's TTT rollout drives one)
@@ -220,6 +225,20 @@ class EvalConfig:
 
 
 @dataclass
+class GridConfig:
+    """train/grid.py: recipes trained side by side on one cache (conf/grid/*.yaml)."""
+
+    name: str = "grid"  # results go to <run_dir>/grid/<name>/
+    max_steps: int = 300  # optimizer steps of every variant (the learning-rate schedule is sized to it)
+    variants: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # variant name -> overrides of the train stage (head.*, optim.*, train.*); [] = the config as it is
+    acceptance_prompts: int = 16  # held-out prompts the reference decoder drafts per variant (0: skip)
+    acceptance_max_new_tokens: int = 96  # tokens generated per prompt
+    num_speculative_tokens: int = 3  # k of the acceptance measured and of the estimate tabulated
+
+
+@dataclass
 class PipelineConfig:
     """One config for every stage, so one experiment file and the same overrides drive them all."""
 
@@ -235,6 +254,7 @@ class PipelineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
 
 
 def register_configs() -> None:

@@ -195,6 +195,10 @@ class Eagle1Draft(nn.Module):
     def rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(self.inv_freq, positions_BT)
 
+    def carry(self, out_BTH: torch.Tensor) -> torch.Tensor:
+        """What a chain's next draft step reads: the predicted features themselves."""
+        return out_BTH
+
     def forward(self, input_ids_BT: Tensor, features_BTH: Tensor, positions_BT: Tensor) -> Tensor:
         """Predicted next features [B, T, H]: `input_ids_BT[t]` is the token AFTER the one `features_BTH[t]`
         came from (x_{t+1} beside f_t); the output at t estimates f_{t+1}. One causal pass, as vLLM's

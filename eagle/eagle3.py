@@ -3,12 +3,14 @@
 One Llama decoder layer whose attention reads `cat(input_layernorm(embed(x)), hidden_norm(h))` (width 2H,
 embedding first), fed at step 0 by `fc` over the target's concatenated aux hidden states and afterwards by
 its own pre-norm output; `norm` + `lm_head` decode into the draft vocabulary. Parameter names equal vLLM's
-(`llama_eagle3.py`), so export is a plain state_dict copy minus the frozen target embedding.
+(`llama_eagle3.py`), so export is a plain state_dict copy minus the frozen target embedding. speculators'
+normalisation flags (`norm_before_fc`, `fc_norm`, `norm_output`, `norm_before_residual`) are config fields
+with vLLM's meaning and weight names.
 
 P-EAGLE (parallel drafting, DESIGN.md section 8) is this head with `mask_token_id` set: it adds a learned
-`mask_hidden` (the fc input width, vLLM passes it through `fc` like the aux states) that feeds the K-1 mask
-slots of a round, and may stack several decoder layers (layer 0 reads the 2H concatenation, later ones
-are plain H-wide Llama layers, as in vLLM's `llama_eagle3.py`).
+`mask_hidden` (the fc input width; vLLM passes it through the fc norms and `fc` like the aux states) that
+feeds the K-1 mask slots of a round, and may stack several decoder layers (layer 0 reads the 2H
+concatenation, later ones are plain H-wide Llama layers, as in vLLM's `llama_eagle3.py`).
 
 This module holds the model and a plain causal forward (one step, what vLLM runs on a prefill); the
 training-time-test rollout with its diagonal attention lives in `train/ttt.py`, parallel drafting's
@@ -38,6 +40,8 @@ from torch import Tensor, nn
 # transformers and vLLM compute them the same way. Others (dynamic, yarn, longrope) are not verified here.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 EXCLUDED_FROM_EXPORT = ("embed_tokens.weight",)  # vLLM shares the target's embedding
+# speculators' normalisation flags, as vLLM 0.32 names and reads them (config fields below).
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass
@@ -54,7 +58,13 @@ class Eagle3Config:
     rope_theta: float = 10000.0  # RoPE base, copied from the target
     rope_scaling: dict | None = None  # RoPE scaling dict (rope_type + its fields), None for plain RoPE
     max_position_embeddings: int = 2048  # longest position; >= the target's or vLLM stops drafting there
-    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of raw h (vLLM flag)
+    # speculators' normalisation flags, each one vLLM 0.32 reads (DESIGN.md section 9):
+    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of raw h
+    norm_before_fc: bool = (
+        False  # one RMSNorm (`input_norm`, A*H wide) on the concatenated aux states before fc
+    )
+    fc_norm: bool = False  # one RMSNorm per aux state (`fc_norm.i`, H wide) before fc
+    norm_output: bool = False  # a chain's next step reads norm(out) (post-norm) instead of the pre-norm out
     num_hidden_layers: int = 1  # decoder layers; layer 0 reads cat(embedding, hidden), later ones H wide
     mask_token_id: int | None = None  # P-EAGLE: the token id of the mask slots (None: sequential EAGLE-3)
 
@@ -308,12 +318,16 @@ class Eagle3Draft(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.requires_grad_(False)  # the target's, frozen; see load_target_embedding
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(config.num_aux * h, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(h, config.rms_norm_eps) for _ in range(config.num_aux)])
         self.fc = nn.Linear(config.num_aux * h, h, bias=False)
         self.layers = nn.ModuleList(
             [Eagle3DecoderLayer(config)] + [DecoderLayer(config) for _ in range(config.num_hidden_layers - 1)]
         )
         if config.parallel_drafting:
-            # The mask slots' stand-in for the aux states: vLLM passes it through `fc` once at load.
+            # The mask slots' stand-in for the aux states: vLLM passes it through `combine` once at load.
             # Unit scale like the aux states; `hidden_norm` removes the scale after `fc` anyway.
             self.mask_hidden = nn.Parameter(torch.randn(1, config.num_aux * h))
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -336,7 +350,17 @@ class Eagle3Draft(nn.Module):
 
     def combine_aux(self, aux_BTAH: torch.Tensor) -> torch.Tensor:
         """Step-0 hidden [B, T, H]: `fc` over the aux states concatenated in ascending layer order."""
-        return self.fc(aux_BTAH.flatten(-2).to(self.fc.weight.dtype))
+        return self.combine(aux_BTAH.flatten(-2))
+
+    def combine(self, flat_BX: torch.Tensor) -> torch.Tensor:
+        """vLLM's `combine_hidden_states` on [..., A*H]: `input_norm` (norm_before_fc), then one norm per
+        aux state (fc_norm), then `fc`. vLLM sends `mask_hidden` through it too."""
+        x = flat_BX.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            x = self.input_norm(x)
+        if self.config.fc_norm:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(self.config.num_aux, -1))], -1)
+        return self.fc(x)
 
     def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids_BT).to(self.fc.weight.dtype)
@@ -345,8 +369,8 @@ class Eagle3Draft(nn.Module):
         return rope_cos_sin(self.inv_freq, positions_BT)
 
     def mask_state(self) -> torch.Tensor:
-        """[1, 1, H]: the hidden state every mask slot reads, `fc(mask_hidden)` as vLLM computes it."""
-        return self.fc(self.mask_hidden.to(self.fc.weight.dtype))[None]
+        """[1, 1, H]: the hidden state every mask slot reads, `combine(mask_hidden)` as vLLM computes it."""
+        return self.combine(self.mask_hidden)[None]
 
     def forward(self, input_ids_BT: Tensor, hidden_BTH: Tensor, positions_BT: Tensor) -> Tensor:
         """One causal pass (vLLM's prefill): the last layer's pre-norm output [B, T, H]."""
@@ -356,6 +380,11 @@ class Eagle3Draft(nn.Module):
             q_BNTD, k_BGTD, v_BGTD, residual_BTH = layer.project(out_BTH, cos_BTD, sin_BTD)
             out_BTH = layer.finish(causal_attention(q_BNTD, k_BGTD, v_BGTD), residual_BTH)
         return out_BTH
+
+    def carry(self, out_BTH: torch.Tensor) -> torch.Tensor:
+        """What a chain's next draft step reads as its hidden state: the pre-norm output, or with
+        `norm_output` the normed one (vLLM's `aux_output`)."""
+        return self.norm(out_BTH) if self.config.norm_output else out_BTH
 
     def logits(self, out_BTH: torch.Tensor) -> torch.Tensor:
         """[B, T, Vd] draft-vocabulary logits of a pre-norm layer output."""

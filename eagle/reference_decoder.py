@@ -181,8 +181,10 @@ class DraftState:
             return drafts + self.propose_parallel(num_draft_tokens - 1)
         past = self.kv
         for i in range(1, num_draft_tokens):
-            # Step i reads draft token i at position (last cached) + i, fed its previous pre-norm output.
-            out_B1H, past = self.layers([drafts[-1]], out_B1H, self.length - 1 + i, past)
+            # Step i reads draft token i at position (last cached) + i, fed its previous output (`carry`).
+            out_B1H, past = self.layers(
+                [drafts[-1]], self.head.draft.carry(out_B1H), self.length - 1 + i, past
+            )
             drafts.append(self.token(out_B1H))
         return drafts
 

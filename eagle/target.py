@@ -149,6 +149,17 @@ def load_embedding_and_lm_head(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, lm_head
 
 
+def load_final_norm(cfg) -> torch.Tensor:
+    """The weight [H] of the target's final RMSNorm (the one before its lm_head)."""
+    directory = target_dir(cfg)
+    files = _weight_files(directory)
+    name = next((n for n in ("model.norm.weight", "norm.weight") if n in files), None)
+    if name is None:
+        raise ValueError(f"{directory}: no model.norm.weight among the target's tensors")
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name).float()
+
+
 @contextmanager
 def capture_aux_states(model, aux_layer_ids: list[int]):
     """Record the residual stream entering decoder layer i for each aux id (id L: entering the final norm)."""

@@ -3,10 +3,14 @@
 Both EAGLE-3 formats share the weights file: flat tensor names (`fc`, `layers.0.*`, `norm`, `lm_head`),
 `d2t` only when the draft vocabulary is pruned, no `fc.bias`, no embedding (vLLM shares the target's).
 - plain: `architectures: [LlamaForCausalLMEagle3]`, layer ids at the top level AND `num_aux_hidden_states`
-  (the Llama head sizes `fc` from the latter), `norm_before_residual` explicit (missing means false).
+  (the Llama head sizes `fc` from the latter), the norm flags explicit at the top level (missing = false).
 - speculators: `speculators_model_type: eagle3`, the layer config under `transformer_layer_config`, the
   proposal and verifier under `speculators_config`, and every norm flag explicit (a missing
-  `norm_before_residual` means TRUE in this format).
+  `norm_before_residual` means TRUE in this format). The norm flags are written at the top level AND in
+  `transformer_layer_config`: vLLM's `eagle3` reader takes all four from the top level, its `peagle` reader
+  only `norm_before_residual` and `norm_before_fc`, leaving `fc_norm` and `norm_output` to the layer config
+  (`vllm/transformers_utils/configs/speculators/algos.py`); a flag in the wrong place loads and is ignored.
+  The norms' weights: `input_norm.weight` [A*H] (norm_before_fc), `fc_norm.{i}.weight` [H] (fc_norm).
 P-EAGLE (parallel drafting, DESIGN.md section 8) is an EAGLE-3 export plus `mask_hidden` [1, A*H] and the
 mask token: plain = the EAGLE-3 plain config with `mask_token_id` (served with `parallel_drafting: true` in
 the speculative config); speculators = `speculators_model_type: peagle` with `mask_token_id`, which vLLM maps
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle.eagle3 import EXCLUDED_FROM_EXPORT
+from eagle.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS
 from eagle.target import DTYPES
 from eagle.vocab import load_vocab_map
 
@@ -59,6 +63,11 @@ def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
     }
 
 
+def norm_flags(head_config: dict) -> dict:
+    """The four flags, explicit; a head trained before a flag existed lacks it, which means off."""
+    return {flag: bool(head_config.get(flag, False)) for flag in NORM_FLAGS}
+
+
 def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
     """config.json of the plain EAGLE-3 format."""
     c = head_config
@@ -67,7 +76,7 @@ def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
         "architectures": ["LlamaForCausalLMEagle3"],
         **llama_layer_config(c, target_config, dtype),
         "draft_vocab_size": c["draft_vocab_size"],
-        "norm_before_residual": c["norm_before_residual"],
+        **norm_flags(c),
         "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
         "num_aux_hidden_states": len(c["aux_layer_ids"]),
         **parallel,
@@ -86,6 +95,7 @@ def eagle3_speculators_config(
     layer = {
         **llama_layer_config(head_config, target_config, dtype),
         "num_aux_hidden_states": len(head_config["aux_layer_ids"]),
+        **norm_flags(head_config),
     }
     algorithm = "eagle3" if head_config.get("mask_token_id") is None else "peagle"
     parallel = {} if algorithm == "eagle3" else {"mask_token_id": head_config["mask_token_id"]}
@@ -97,10 +107,7 @@ def eagle3_speculators_config(
         "draft_vocab_size": head_config["draft_vocab_size"],
         "target_hidden_size": target_config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(head_config["aux_layer_ids"]),
-        "norm_before_residual": head_config["norm_before_residual"],
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **norm_flags(head_config),
         "speculators_config": {
             "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
@@ -216,12 +223,30 @@ def read_export_config(export_dir: Path) -> tuple[str, dict]:
     fields |= {
         "draft_vocab_size": config["draft_vocab_size"],
         "aux_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
-        "norm_before_residual": config["norm_before_residual"],
         "num_hidden_layers": layer.get("num_hidden_layers", 1),
+        **served_norm_flags(config),
     }
     if config.get("mask_token_id") is None:
         return "eagle3", fields
     return "peagle", {**fields, "mask_token_id": config["mask_token_id"]}
+
+
+def served_norm_flags(config: dict) -> dict:
+    """The norm flags vLLM 0.32 serves an EAGLE-3 / P-EAGLE config.json with (its readers, emulated)."""
+    algorithm = config.get("speculators_model_type")
+    if algorithm is None:  # plain: read off the config's attributes; norm_before_fc may sit in eagle_config
+        flags = {flag: config.get(flag, False) for flag in NORM_FLAGS}
+        flags["norm_before_fc"] = (config.get("eagle_config") or {}).get(
+            "norm_before_fc", flags["norm_before_fc"]
+        )
+    else:  # speculators: the layer config, overridden by what the algorithm's reader copies from the top
+        layer = config.get("transformer_layer_config", {})
+        flags = {flag: layer.get(flag, False) for flag in NORM_FLAGS}
+        flags["norm_before_residual"] = config.get("norm_before_residual", algorithm == "eagle3")
+        flags["norm_before_fc"] = config.get("norm_before_fc", False)
+        if algorithm == "eagle3":
+            flags |= {flag: config.get(flag, False) for flag in ("fc_norm", "norm_output")}
+    return {flag: bool(value) for flag, value in flags.items()}
 
 
 def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):

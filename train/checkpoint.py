@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eagle.eagle3 import NORM_FLAGS
 from eagle.manifest import write_json_atomic
 from eagle.vocab import VocabMap, load_vocab_map
 
@@ -100,6 +101,40 @@ def warm_start_vocab(path: Path) -> VocabMap | None:
     return None
 
 
+def warm_start_flags(path: Path) -> dict | None:
+    """The norm flags an older head was trained with: its draft_config.json, or for a checkpoint its run's
+    train.yaml (None when neither says; a flag either lacks means off, as before the flag existed)."""
+    if (path / HEAD_CONFIG).exists():
+        config = json.loads((path / HEAD_CONFIG).read_text()).get("config", {})
+    elif (path.parent.parent / "train.yaml").exists():
+        import yaml
+
+        config = (yaml.safe_load((path.parent.parent / "train.yaml").read_text()) or {}).get("head", {})
+    else:
+        return None
+    return {flag: bool(config.get(flag, False)) for flag in NORM_FLAGS}
+
+
+def check_warm_start_flags(model: torch.nn.Module, path: Path) -> None:
+    """Refuse an older head whose norm flags differ: its weights were fitted to another function (a norm
+    added or removed before fc, another residual or carried state), so they would start the run wrong."""
+    config = getattr(model, "config", None)
+    old = warm_start_flags(path)
+    if old is None or not all(hasattr(config, flag) for flag in NORM_FLAGS):
+        return  # EAGLE-1 heads have no such flags
+    differing = [f for f in NORM_FLAGS if old[f] != bool(getattr(config, f))]
+    if differing:
+        raise ValueError(
+            f"train.init_from={str(path)!r} was trained with other norm flags: "
+            + ", ".join(
+                f"head.{f}: older head {old[f]}, this run {bool(getattr(config, f))}" for f in differing
+            )
+            + ". Warm-start with the older head's flags (e.g. "
+            + " ".join(f"head.{f}={str(old[f]).lower()}" for f in differing)
+            + "), or train the new recipe from scratch"
+        )
+
+
 def remap_lm_head(old_VdH: torch.Tensor, old_ids: torch.Tensor, new_VdH: torch.Tensor, new_ids: torch.Tensor):
     """The new lm_head: the old row of every draft token both vocabularies hold, the new (fresh) row of
     the others. Returns (weights, number of rows carried over)."""
@@ -113,13 +148,15 @@ def remap_lm_head(old_VdH: torch.Tensor, old_ids: torch.Tensor, new_VdH: torch.T
 
 
 def load_warm_start(model: torch.nn.Module, path: Path, vocab: VocabMap | None = None) -> None:
-    """Copy an older head's weights into `model`, refusing any tensor whose shape differs.
+    """Copy an older head's weights into `model`, refusing any tensor whose shape differs and an older head
+    trained with other norm flags.
 
     When both heads have an lm_head over a draft vocabulary and the two vocabularies differ (a new domain
     or data set picks other frequent tokens), the lm_head is carried over token by token instead.
     """
     path = Path(path)
     weights = read_head_weights(path)
+    check_warm_start_flags(model, path)
     own = {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
     old_vocab = warm_start_vocab(path)
     if (

@@ -33,10 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train
 from eagle.cache import CacheSplit  # noqa: E402
 from eagle.config import register_configs  # noqa: E402
 from eagle.eagle1 import Eagle1Config, Eagle1Draft  # noqa: E402
-from eagle.eagle3 import EXCLUDED_FROM_EXPORT, Eagle3Config, Eagle3Draft  # noqa: E402
+from eagle.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS, Eagle3Config, Eagle3Draft  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
 from eagle.manifest import read_manifest  # noqa: E402
-from eagle.target import load_config, load_embedding_and_lm_head, target_dir, weights_hash  # noqa: E402
+from eagle.target import (  # noqa: E402
+    load_config,
+    load_embedding_and_lm_head,
+    load_final_norm,
+    target_dir,
+    weights_hash,
+)
 from eagle.vocab import load_vocab_map  # noqa: E402
 from train.checkpoint import (  # noqa: E402
     checkpoint_dirs,
@@ -57,7 +63,8 @@ class DraftWithLoss(torch.nn.Module):
     """The head plus its objective in one forward, so DDP / DeepSpeed see a single module call.
 
     EAGLE-3: the TTT loss (train/ttt.py). P-EAGLE: the parallel-drafting loss (train/parallel.py), with
-    COD subsampling while training only (held-out metrics see every anchor). EAGLE-1: feature regression
+    COD subsampling while training only (held-out metrics see every anchor). `head.aux_noise` perturbs the
+    aux states while training only. EAGLE-1: feature regression
     + soft CE (train/eagle1_loss.py), reported as one step (loss_0, acc_0) so the loop treats all alike.
     """
 
@@ -69,6 +76,10 @@ class DraftWithLoss(torch.nn.Module):
         self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
 
     def forward(self, batch, denominator=None):
+        if self.training and self.head_cfg.aux_noise and "aux_hidden" in batch:
+            aux = batch["aux_hidden"].float()
+            noise = (torch.rand_like(aux) * 2 - 1) * self.head_cfg.aux_noise
+            batch = {**batch, "aux_hidden": aux + noise}
         if self.kind == "peagle":
             return parallel_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.ttt_gamma, self.target_lm_head,
@@ -132,6 +143,17 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
             f"decoder layers here; {cfg.head.kind} heads have one"
         )
     if cfg.head.kind == "eagle1":
+        eagle3_only = {
+            **{flag: getattr(cfg.head, flag) for flag in NORM_FLAGS},
+            "lm_head_init": cfg.head.lm_head_init != "random",
+            "freeze_lm_head": cfg.head.freeze_lm_head,
+            "aux_noise": bool(cfg.head.aux_noise),
+        }
+        if any(eagle3_only.values()):
+            raise ValueError(
+                f"head.kind=eagle1: {', '.join(f'head.{k}' for k, v in eagle3_only.items() if v)} belong to "
+                "EAGLE-3 / P-EAGLE heads (an EAGLE-1 head has no aux states, fc norms or lm_head of its own)"
+            )
         return Eagle1Draft(Eagle1Config.from_target_config(target_config))
     parallel = {}
     if cfg.head.kind == "peagle":
@@ -143,10 +165,26 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
         target_config,
         aux_layer_ids=cache_manifest["aux_layer_ids"],
         draft_vocab_size=vocab.draft_vocab_size,
-        norm_before_residual=cfg.head.norm_before_residual,
+        **{flag: bool(getattr(cfg.head, flag)) for flag in NORM_FLAGS},
         **parallel,
     )
     return Eagle3Draft(config)
+
+
+@torch.no_grad()
+def init_lm_head(cfg, draft, target_lm_head_VH: torch.Tensor, draft_to_target: torch.Tensor) -> None:
+    """`head.lm_head_init` and `head.freeze_lm_head` (EAGLE-3 / P-EAGLE heads).
+
+    `target`: the lm_head starts as the target's rows of the draft vocabulary and the final norm as the
+    target's, so the head starts decoding as the target does (speculators' recipe; it freezes the rows).
+    """
+    if cfg.head.lm_head_init not in ("random", "target"):
+        raise ValueError(f"head.lm_head_init={cfg.head.lm_head_init!r}: choose random or target")
+    if cfg.head.lm_head_init == "target":
+        draft.lm_head.weight.copy_(target_lm_head_VH[draft_to_target].float())
+        draft.norm.weight.copy_(load_final_norm(cfg.target))
+    if cfg.head.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
 
 
 def mask_token_id(cfg, target_config) -> int:
@@ -265,6 +303,8 @@ def run(cfg: DictConfig) -> dict:
     draft = build_draft(cfg, target_config, cache_manifest, vocab)
     embed, lm_head = load_embedding_and_lm_head(cfg.target)
     draft.load_target_embedding(embed.float())
+    if cfg.head.kind != "eagle1":
+        init_lm_head(cfg, draft, lm_head, vocab.draft_to_target)
     if cfg.train.init_from:
         load_warm_start(draft, Path(cfg.train.init_from), vocab)
         log.info("warm start from %s", cfg.train.init_from)

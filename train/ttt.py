@@ -2,7 +2,7 @@
 
 Pure functions on tensors (no I/O, no Accelerator), so every piece is tested on CPU. DESIGN.md section 4:
 at step k the draft at position t gets the embedding of x_{t+1+k} and, as hidden state, `fc(aux_t)` at
-step 0 or its own pre-norm output of step k-1 (not detached); its RoPE position is t + k; it predicts
+step 0 or its own output of step k-1 (pre-norm, post-norm with `norm_output`; not detached); its RoPE position is t + k; it predicts
 x_{t+2+k} against the target's distribution at t+1+k restricted to the draft vocabulary. Its attention
 sees the step-0 keys at positions <= t plus the keys of steps 1..k at the same position t.
 
@@ -95,8 +95,10 @@ def ttt_rollout(model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, num_
             attn_BNTD = ttt_attention(
                 q_BNTD, k0_BGTD, v0_BGTD, torch.stack(diag_k, dim=3), torch.stack(diag_v, dim=3)
             )
-        hidden_BTH = layer.finish(attn_BNTD, residual_BTH)
-        outs.append(hidden_BTH)  # fed back as is: gradients of later steps reach earlier ones
+        out_BTH = layer.finish(attn_BNTD, residual_BTH)
+        outs.append(out_BTH)
+        # Fed back (post-norm with norm_output) without detaching: later steps' gradients reach earlier ones.
+        hidden_BTH = model.carry(out_BTH)
     return outs
 
 

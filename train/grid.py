@@ -1,0 +1,220 @@
+"""grid: train several recipes on one cache at the same budget and compare them side by side.
+
+    python train/grid.py experiment=smollm2_eagle3 run_dir=runs/smollm2 grid=recipe
+
+Every variant of `grid.variants` (a name and overrides of the train stage's config: head.*, optim.*,
+train.*) trains `grid.max_steps` optimizer steps on <run_dir>/cache (the same cache, the same data order,
+the learning-rate schedule sized to the same budget) in <run_dir>/grid/<grid.name>/<variant>/, as a train
+stage subprocess with the command's own overrides plus the variant's. Then the reference decoder (the HF
+target plus the trained head, `eagle/reference_decoder.py`) drafts `grid.acceptance_prompts` held-out
+prompts with k = `grid.num_speculative_tokens`, the acceptance vLLM serves (export verification proves the
+two equal). Results: <grid dir>/results.md (the table), results.json, and the held-out curves
+(acceptance_k<k>.png, acc_0.png; train/curves.py).
+
+A variant whose head is already there is not trained again, so an interrupted grid continues where it
+stopped (an interrupted variant resumes from its last checkpoint); a variant whose overrides changed since
+is refused: rename it or delete its directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/grid.py` from anywhere
+
+from eagle.config import register_configs  # noqa: E402
+from eagle.manifest import write_json_atomic  # noqa: E402
+from train.curves import plot, read_curve  # noqa: E402
+
+log = logging.getLogger("grid")
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "main.py"
+GRID_KEYS = ("run_dir", "grid")  # the grid's own overrides, not passed on to train
+
+
+def variant_overrides(cfg, own_overrides: list[str], name: str, variant_dir: Path) -> list[str]:
+    """The train stage's command line for one variant: the grid's overrides, the variant's, the budget."""
+    allowed = ("head.", "optim.", "train.")
+    bad = [o for o in cfg.grid.variants[name] if not o.lstrip("+~").startswith(allowed)]
+    if bad:
+        raise ValueError(
+            f"grid.variants.{name}: {bad} - a variant changes head.*, optim.* or train.* only (all variants "
+            "train on the same cache)"
+        )
+    from eagle.target import target_dir
+
+    passed = [o for o in own_overrides if o.lstrip("+~").split("=")[0].split(".")[0] not in GRID_KEYS]
+    return [
+        *passed,
+        f"target.path={target_dir(cfg.target)}",  # resolved here: a path relative to run_dir stays valid
+        f"train.max_steps={cfg.grid.max_steps}",
+        "train.resume=auto",
+        *cfg.grid.variants[name],
+        f"run_dir={variant_dir}",
+    ]
+
+
+def prepare_variant(run_dir: Path, variant_dir: Path, overrides: list[str]) -> bool:
+    """Make the variant's directory (its cache: a link to the run's); True when its head is already done."""
+    variant_dir.mkdir(parents=True, exist_ok=True)
+    cache = variant_dir / "cache"
+    if not cache.exists():
+        cache.symlink_to(run_dir / "cache", target_is_directory=True)
+    stamp = variant_dir / "grid_overrides.json"
+    if stamp.exists() and json.loads(stamp.read_text()) != overrides:
+        raise ValueError(
+            f"{variant_dir} was trained with other overrides ({json.loads(stamp.read_text())}, now "
+            f"{overrides}): rename the variant or delete that directory"
+        )
+    write_json_atomic(stamp, overrides)
+    return (variant_dir / "draft_head" / "draft_config.json").exists()
+
+
+def train_variant(variant_dir: Path, overrides: list[str]) -> float:
+    """Run the train stage for one variant (log: <variant>/train.log); its wall time in seconds."""
+    start = time.perf_counter()
+    with open(variant_dir / "train.log", "a") as out:
+        done = subprocess.run([sys.executable, str(TRAIN_SCRIPT), *overrides], stdout=out, stderr=out)
+    if done.returncode:
+        raise RuntimeError(
+            f"training variant {variant_dir.name} failed (exit {done.returncode}); its log: "
+            f"{variant_dir / 'train.log'}"
+        )
+    return time.perf_counter() - start
+
+
+def held_out_acceptance(cfg, head_dir: Path) -> dict:
+    """The reference decoder's acceptance on the cache's held-out prompts (what vLLM serves the head at)."""
+    from eagle.prompts import prompt_token_ids, read_conversations, stop_token_ids
+    from eagle.target import load_tokenizer, target_dir
+    from export.verify import reference_acceptance
+
+    tokenizer = load_tokenizer(cfg.target)
+    path = Path(cfg.run_dir) / "cache" / "eval_conversations.jsonl"
+    conversations = read_conversations(path)[: cfg.grid.acceptance_prompts]
+    if not conversations:
+        raise ValueError(f"{path} holds no held-out conversations to measure acceptance on")
+    prompts = [prompt_token_ids(tokenizer, c["messages"]) for c in conversations]
+    _, counts = reference_acceptance(
+        target_dir(cfg.target),
+        head_dir,
+        prompts,
+        cfg.grid.num_speculative_tokens,
+        cfg.grid.acceptance_max_new_tokens,
+        stop_token_ids(tokenizer, target_dir(cfg.target)),
+    )
+    return {"num_prompts": len(prompts), **counts.summary()}
+
+
+def result_row(name: str, overrides: list[str], variant_dir: Path, k: int) -> dict:
+    """One variant's numbers: its final held-out eval, the reference acceptance, the training time."""
+    head = json.loads((variant_dir / "draft_head" / "draft_config.json").read_text())
+    held_out = head["training"]["held_out"]
+    depths = sorted(int(key.rsplit("_", 1)[1]) for key in held_out if key.startswith("eval/acc_"))
+    saved = variant_dir / "grid_result.json"
+    extra = json.loads(saved.read_text()) if saved.exists() else {}
+    return {
+        "variant": name,
+        "overrides": overrides,
+        "steps": head["training"]["num_steps"],
+        "loss": [held_out[f"eval/loss_{d}"] for d in depths],
+        "acc": [held_out[f"eval/acc_{d}"] for d in depths],
+        "cond_acc": [held_out[f"eval/cond_acc_{d}"] for d in depths],
+        "estimate": held_out.get(f"eval/accept_len_k{min(k, len(depths))}"),
+        **extra,
+    }
+
+
+def results_table(rows: list[dict], k: int) -> str:
+    """The Markdown table of a grid, best reference acceptance first."""
+
+    def numbers(values):
+        return " / ".join(f"{v:.3f}" for v in values)
+
+    lines = [
+        f"| variant | overrides | held-out loss per depth | acc per depth | conditional acc | estimate k={k} "
+        f"| reference k={k} | per position | train min |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    key = lambda r: -(r.get("acceptance", {}).get("mean_acceptance_length") or 0)  # noqa: E731
+    for r in sorted(rows, key=key):
+        acceptance = r.get("acceptance") or {}
+        lines.append(
+            f"| {r['variant']} | {' '.join(r['overrides']) or '(defaults)'} | {numbers(r['loss'])} | "
+            f"{numbers(r['acc'])} | {numbers(r['cond_acc'])} | {r['estimate']:.3f} | "
+            + (f"{acceptance['mean_acceptance_length']:.3f} | " if acceptance else " | ")
+            + (f"{numbers(acceptance['per_position_acceptance'])} | " if acceptance else " | ")
+            + (f"{r['train_seconds'] / 60:.1f} |" if r.get("train_seconds") else " |")
+        )
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Train, measure and tabulate every variant; returns the rows."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not cfg.grid.variants:
+        raise ValueError("grid.variants is empty: pick a grid (grid=recipe) or give variants")
+    run_dir = Path(cfg.run_dir).resolve()
+    if not (run_dir / "cache" / "manifest.json").exists():
+        raise ValueError(f"{run_dir}/cache holds no finished cache: run data_prep/main.py first")
+    grid_dir = run_dir / "grid" / cfg.grid.name
+    own = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    rows = []
+    for name in tqdm(list(cfg.grid.variants), desc=f"grid {cfg.grid.name}", unit="variant"):
+        variant_dir = grid_dir / name
+        overrides = variant_overrides(cfg, own, name, variant_dir)
+        result_file = variant_dir / "grid_result.json"
+        if not prepare_variant(run_dir, variant_dir, overrides):
+            log.info("variant %s: training (log %s)", name, variant_dir / "train.log")
+            write_json_atomic(result_file, {"train_seconds": train_variant(variant_dir, overrides)})
+        result = json.loads(result_file.read_text()) if result_file.exists() else {}
+        if cfg.grid.acceptance_prompts and "acceptance" not in result:
+            log.info("variant %s: reference acceptance on held-out prompts", name)
+            result["acceptance"] = held_out_acceptance(cfg, variant_dir / "draft_head")
+            write_json_atomic(result_file, result)
+        rows.append(
+            result_row(name, list(cfg.grid.variants[name]), variant_dir, cfg.grid.num_speculative_tokens)
+        )
+        log.info(
+            "variant %s: held-out acc@0 %.3f, estimate %.3f, reference %s",
+            name,
+            rows[-1]["acc"][0],
+            rows[-1]["estimate"],
+            result.get("acceptance", {}).get("mean_acceptance_length"),
+        )
+
+    k = cfg.grid.num_speculative_tokens
+    table = results_table(rows, k)
+    header = (
+        f"Grid `{cfg.grid.name}` on {run_dir / 'cache'}: {cfg.grid.max_steps} optimizer steps each; held-out "
+        f"metrics from train's final eval; reference = the reference decoder's mean acceptance length at "
+        f"k={k} on {cfg.grid.acceptance_prompts} held-out prompts x {cfg.grid.acceptance_max_new_tokens} tokens.\n\n"
+    )
+    (grid_dir / "results.md").write_text(header + table + "\n")
+    write_json_atomic(grid_dir / "results.json", {"grid": OmegaConf.to_container(cfg.grid), "rows": rows})
+    curves = {name: read_curve(grid_dir / name) for name in cfg.grid.variants}
+    plot(curves, f"eval/accept_len_k{k}", grid_dir / f"acceptance_k{k}.png")
+    plot(curves, "eval/acc_0", grid_dir / "acc_0.png")
+    print(header + table)
+    print(f"\nresults: {grid_dir / 'results.md'}; curves: {grid_dir}/acceptance_k{k}.png, acc_0.png")
+    return rows
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+register_configs()
+
+if __name__ == "__main__":
+    main()
