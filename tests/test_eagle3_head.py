@@ -50,8 +50,8 @@ def random_draft(config: Eagle3Config, seed: int = 0) -> Eagle3Draft:
     torch.manual_seed(seed)
     model = Eagle3Draft(config)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for param in model.parameters():
+            if param.dim() == 1:  # the norm weights (input_norm and fc_norm.i included)
                 param.copy_(1 + 0.3 * torch.randn_like(param))
             else:
                 param.normal_(0, 1 / math.sqrt(param.shape[-1]))
@@ -139,6 +139,49 @@ def test_decoder_layer_matches_explicit_reference(norm_before_residual, num_kv_h
         ref_logits = ref_rms(ref_out, sd["norm.weight"], cfg.rms_norm_eps) @ sd["lm_head.weight"].T
         torch.testing.assert_close(out_BTH[i], ref_out, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(logits_BTVd[i], ref_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm_before_fc,fc_norm", [(True, False), (False, True), (True, True)])
+def test_fc_norms_match_explicit_reference(norm_before_fc, fc_norm):
+    """vLLM's combine_hidden_states: input_norm over the A*H concatenation, then one norm per aux state,
+    then fc - for the aux states and for P-EAGLE's mask_hidden alike; weights under vLLM's names."""
+    cfg = tiny_config(norm_before_fc=norm_before_fc, fc_norm=fc_norm, mask_token_id=3)
+    model = random_draft(cfg)
+    sd = model.state_dict()
+    expected_names = {"input_norm.weight"} if norm_before_fc else set()
+    expected_names |= {f"fc_norm.{i}.weight" for i in range(3)} if fc_norm else set()
+    assert {k for k in sd if k.startswith(("input_norm", "fc_norm"))} == expected_names
+    aux_BTAH = torch.randn(2, 5, cfg.num_aux, cfg.hidden_size) * 7
+
+    def reference(x):
+        if norm_before_fc:
+            x = ref_rms(x, sd["input_norm.weight"], cfg.rms_norm_eps)
+        if fc_norm:
+            chunks = x.split(cfg.hidden_size, dim=-1)
+            x = torch.cat(
+                [ref_rms(c, sd[f"fc_norm.{i}.weight"], cfg.rms_norm_eps) for i, c in enumerate(chunks)], -1
+            )
+        return x @ sd["fc.weight"].T
+
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.combine_aux(aux_BTAH), reference(aux_BTAH.flatten(-2)), rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(model.mask_state()[0], reference(sd["mask_hidden"]), rtol=1e-5, atol=1e-5)
+        # The norms are real: the output does not scale with the aux states any more.
+        torch.testing.assert_close(
+            model.combine_aux(aux_BTAH * 3), model.combine_aux(aux_BTAH), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_norm_output_carries_the_post_norm_state():
+    """vLLM's `aux_output`: a chain's next step reads norm(out) with norm_output, the pre-norm out without."""
+    out_BTH = torch.randn(2, 3, 64) * 5
+    plain, normed = random_draft(tiny_config()), random_draft(tiny_config(norm_output=True))
+    with torch.no_grad():
+        assert torch.equal(plain.carry(out_BTH), out_BTH)
+        w = normed.state_dict()["norm.weight"]
+        torch.testing.assert_close(normed.carry(out_BTH), ref_rms(out_BTH, w, 1e-6), rtol=1e-5, atol=1e-5)
 
 
 def test_embedding_goes_first_in_the_attention_input():

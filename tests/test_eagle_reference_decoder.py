@@ -98,10 +98,17 @@ def test_a_stop_token_ends_the_output(target_and_head):
     assert output == full[: full.index(stop) + 1]
 
 
-def test_the_chain_is_trainings_ttt_rollout(target_and_head):
+@pytest.mark.parametrize("flags", [{}, {"norm_output": True, "fc_norm": True, "norm_before_residual": True}])
+def test_the_chain_is_trainings_ttt_rollout(target_and_head, flags):
     """Teacher-forced, chain step i from position t equals TTT step i at t: what training optimises is what
-    the decoder (and vLLM) runs."""
-    _, head = target_and_head
+    the decoder (and vLLM) runs - with the norm flags too (norm_output changes what the chain carries)."""
+    target, head = target_and_head
+    if flags:
+        torch.manual_seed(0)
+        config = Eagle3Config(**{**head.draft.config.to_dict(), **flags})
+        draft = Eagle3Draft(config).eval().requires_grad_(False)
+        draft.load_target_embedding(target.get_input_embeddings().weight)
+        head = DraftHead("eagle3", draft, [1, 3, 4], torch.arange(1024), None)
     torch.manual_seed(1)
     num_steps, length = 3, 24
     ids = torch.randint(0, 1024, (1, length))
@@ -115,7 +122,7 @@ def test_the_chain_is_trainings_ttt_rollout(target_and_head):
         torch.testing.assert_close(out[0, 0], ttt_outs[0][0, t], atol=1e-5, rtol=1e-5)
         past = state.kv
         for i in range(1, num_steps):
-            out, past = state.layers([int(ids[0, t + 1 + i])], out, t + i, past)
+            out, past = state.layers([int(ids[0, t + 1 + i])], head.draft.carry(out), t + i, past)
             torch.testing.assert_close(out[0, 0], ttt_outs[i][0, t], atol=1e-5, rtol=1e-5)
 
 

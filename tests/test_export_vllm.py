@@ -326,3 +326,115 @@ def test_a_head_vllm_refuses_fails_loudly(regen_head, tmp_path):
             regen_head / "smoke_target", regen_head / "draft_head", out, "eagle3", [[1, 2, 3]], [],
             vllm_kwargs=dict(cfg.export.vllm_kwargs),
         )  # fmt: skip
+
+
+# ---- speculators' recipe options (issue 12): every norm flag where vLLM reads it, and parity with them ----
+
+RECIPE = (
+    "head.norm_before_fc=true",
+    "head.fc_norm=true",
+    "head.norm_output=true",
+    "head.norm_before_residual=true",
+    "head.lm_head_init=target",
+    "head.freeze_lm_head=true",
+    "head.aux_noise=0.05",
+)
+ALL_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": True, "norm_output": True}
+
+
+@pytest.fixture(scope="module")
+def recipe_run(smoke_run, tmp_path_factory):
+    return trained(smoke_run, tmp_path_factory, "export_r", "train.max_steps=4", *RECIPE)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+@pytest.mark.parametrize("fmt", ["plain", "speculators"])
+def test_vllms_own_config_reader_sees_every_norm_flag(recipe_run, kind, fmt):
+    """The flags as vLLM 0.32's readers see them: the speculators `peagle` reader copies only two of the four
+    from the top level, so the others must sit in transformer_layer_config; `served_norm_flags` (what the
+    identity check reads) emulates the readers, and is checked against the real one here."""
+    from export.to_vllm import eagle3_plain_config, eagle3_speculators_config, served_norm_flags
+
+    head = json.loads((recipe_run / "draft_head" / "draft_config.json").read_text())["config"]
+    head = {**head, "mask_token_id": 5 if kind == "peagle" else None}
+    target_config = AutoConfig.from_pretrained(recipe_run / "smoke_target")
+    if fmt == "plain":
+        config = eagle3_plain_config(head, target_config, "float32")
+        seen = {flag: config[flag] for flag in ALL_FLAGS}  # vLLM reads the HF config's attributes
+    else:
+        speculators = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
+        config = eagle3_speculators_config(head, target_config, "float32", "t", 3)
+        layer = speculators.SpeculatorsConfig.extract_transformers_pre_trained_config(
+            json.loads(json.dumps(config))
+        )
+        seen = {flag: layer.get(flag, False) for flag in ALL_FLAGS}
+    assert seen == ALL_FLAGS == served_norm_flags(config)
+    if fmt == "speculators" and kind == "peagle":  # the trap: top-level fc_norm / norm_output alone are lost
+        del config["transformer_layer_config"]["fc_norm"], config["transformer_layer_config"]["norm_output"]
+        layer = speculators.SpeculatorsConfig.extract_transformers_pre_trained_config(config)
+        assert not layer.get("fc_norm") and not layer.get("norm_output")
+        assert served_norm_flags(config) == {**ALL_FLAGS, "fc_norm": False, "norm_output": False}
+
+
+@pytest.mark.parametrize("fmt", ["plain", "speculators"])
+def test_recipe_head_round_trip_gives_the_heads_chain(recipe_run, fmt):
+    target_dir = recipe_run / "smoke_target"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    out = export_head(
+        recipe_run / "draft_head",
+        recipe_run / f"rt_{fmt}",
+        AutoConfig.from_pretrained(target_dir),
+        "float32",
+        fmt,
+    )
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["input_norm.weight"].shape == (3 * 256,) and weights["fc_norm.0.weight"].shape == (256,)
+    original = load_head(recipe_run / "draft_head", target)
+    loaded, _ = read_export(out, target.get_input_embeddings().weight)
+    assert loaded.config == original.draft.config
+    torch.manual_seed(0)
+    ids, aux = torch.randint(0, 1024, (2, 12)), torch.randn(2, 12, 3, 256)
+    positions = torch.arange(12).expand(2, -1)
+    with torch.no_grad():
+        for head in (original.draft, loaded):  # two chain steps: norm_output decides what the second reads
+            out_0 = head(ids, head.combine_aux(aux), positions)
+            out_1 = head(ids, head.carry(out_0), positions + 1)
+            if head is original.draft:
+                expected = head.logits(out_1)
+        assert torch.equal(head.logits(out_1), expected)
+
+
+@pytest.fixture(scope="module")
+def recipe_regen_heads(regen_run, tmp_path_factory):
+    """kind -> a run holding a head of that kind trained on the regenerated smoke data with every recipe
+    option (trained once per module, on first use; ~40 s each)."""
+    runs = {}
+
+    def head(kind):
+        if kind not in runs:
+            overrides = (f"head.kind={kind}", "train.num_epochs=8", *RECIPE)
+            runs[kind] = trained(
+                regen_run, tmp_path_factory, f"recipe_{kind}", *overrides, experiment="smoke_regen"
+            )
+        return runs[kind]
+
+    return head
+
+
+@pytest.mark.parametrize(
+    "kind,fmt", [("eagle3", "speculators"), ("eagle3", "plain"), ("peagle", "speculators")]
+)
+def test_vllm_serves_every_recipe_option_at_the_reference_decoders_rate(recipe_regen_heads, kind, fmt):
+    """A head trained with all four norm flags, the target's frozen lm_head rows and aux noise: vLLM's
+    acceptance equals the reference decoder's (a flag vLLM ignored would change what it drafts)."""
+    run_dir = recipe_regen_heads(kind)
+    overrides = [
+        f"export.format={fmt}",
+        f"export.out_dir={run_dir / fmt}",
+        "export.dtype=float32",
+        "export.verify=true",
+    ]
+    report = export(smoke_config(run_dir, *overrides, experiment="smoke_regen"))["verification"]
+    assert report["vllm"]["mean_acceptance_length"] >= 1.3  # parity is only evidence when the head drafts
+    assert report["parity"]["passed"] and report["num_identical_outputs"] == report["num_prompts"]
+    assert report["export_differences"] == []

@@ -381,3 +381,116 @@ def test_num_samples_trains_on_the_first_samples_only(train_run):
         ValueError, match=r"train.num_samples=100000: the cache's train split holds \d+ samples"
     ):
         run(train_config(train_run, "train.num_samples=100000"))
+
+
+RECIPE = [
+    "head.norm_before_fc=true",
+    "head.fc_norm=true",
+    "head.norm_output=true",
+    "head.norm_before_residual=true",
+]
+
+
+def test_lm_head_from_the_target_frozen_and_noise_on_the_aux_states(train_run):
+    """lm_head_init=target: the target's rows of the draft vocabulary (and its final norm) are where the head
+    starts; freeze_lm_head keeps them through training; aux_noise changes training's loss, not eval's."""
+    from eagle.target import load_embedding_and_lm_head, load_final_norm
+    from eagle.vocab import load_vocab_map
+
+    overrides = ["head.lm_head_init=target", "head.freeze_lm_head=true", "head.aux_noise=0.05", *RECIPE]
+    run(train_config(train_run, "train.max_steps=4", *overrides))
+    cfg = train_config(train_run)
+    _, target_lm_head = load_embedding_and_lm_head(cfg.target)
+    vocab = load_vocab_map(train_run / "cache" / "vocab.safetensors")
+    weights = load_file(str(train_run / "draft_head" / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], target_lm_head[vocab.draft_to_target].float())
+    assert not torch.equal(weights["norm.weight"], load_final_norm(cfg.target))  # the norm trains
+    assert weights["input_norm.weight"].shape == (3 * 256,) and weights["fc_norm.2.weight"].shape == (256,)
+    config = json.loads((train_run / "draft_head" / "draft_config.json").read_text())["config"]
+    assert {k: config[k] for k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")} == {
+        "norm_before_fc": True, "fc_norm": True, "norm_output": True, "norm_before_residual": True,
+    }  # fmt: skip
+
+
+def test_aux_noise_perturbs_training_only(smoke_run):
+    from transformers import AutoConfig
+
+    from eagle.cache import CacheSplit
+    from eagle.eagle3 import Eagle3Config, Eagle3Draft
+    from train.data import collate
+    from train.main import DraftWithLoss
+
+    cfg = train_config(smoke_run, "head.aux_noise=0.05")
+    batch = collate([CacheSplit(smoke_run / "cache", "train")[i] for i in range(2)], "cpu")
+    torch.manual_seed(0)
+    target_config = AutoConfig.from_pretrained(smoke_run / "smoke_target")
+    draft = Eagle3Draft(Eagle3Config.from_target_config(target_config, [1, 3, 4], 1024))
+    model = DraftWithLoss(draft, torch.randn(1024, 256), torch.arange(1024), cfg)
+    quiet = DraftWithLoss(draft, model.target_lm_head, model.draft_to_target, train_config(smoke_run))
+    with torch.no_grad():
+        noisy_loss = model(batch)[0]
+        clean_loss = quiet(batch)[0]
+        assert noisy_loss != clean_loss and abs(float(noisy_loss / clean_loss) - 1) < 0.05
+        model.eval(), quiet.eval()
+        assert torch.equal(model(batch)[0], quiet(batch)[0])
+
+
+def test_warm_start_refuses_other_norm_flags_and_names_them(train_run, tmp_path):
+    run(train_config(train_run, "train.max_steps=2"))
+    old_run = tmp_path / "old_run"
+    old_run.mkdir()
+    for name in ("draft_head", "ckpt", "train.yaml"):
+        shutil.move(train_run / name, old_run / name)
+    with pytest.raises(
+        ValueError, match=r"head.norm_before_fc: older head False, this run True.*head.norm_before_fc=false"
+    ):
+        run(train_config(train_run, "head.norm_before_fc=true", f"train.init_from={old_run / 'draft_head'}"))
+    # From a checkpoint: the flags come from that run's train.yaml.
+    with pytest.raises(ValueError, match="head.norm_output: older head False, this run True"):
+        run(
+            train_config(
+                train_run, "head.norm_output=true", f"train.init_from={old_run / 'ckpt' / 'step-000002'}"
+            )
+        )
+    # lm_head_init, freeze_lm_head and aux_noise do not change the head's function: carried over.
+    overrides = ["head.lm_head_init=target", "head.freeze_lm_head=true", "head.aux_noise=0.05"]
+    run(train_config(train_run, "train.max_steps=1", *overrides, f"train.init_from={old_run / 'draft_head'}"))
+    assert torch.equal(
+        load_file(str(train_run / "draft_head" / "model.safetensors"))["lm_head.weight"],
+        load_file(str(old_run / "draft_head" / "model.safetensors"))["lm_head.weight"],
+    )  # the older head's (trained) rows, then frozen
+
+
+def test_grid_trains_each_variant_once_and_tabulates(smoke_run, tmp_path):
+    from eagle.config import compose
+    from train.grid import run as grid
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_run, run_dir)
+    overrides = ["experiment=smoke", f"run_dir={run_dir}", "grid=smoke", "train.eval_every=10"]
+    cfg = compose("config", [*overrides, "train.num_threads=1"])
+    rows = grid(cfg, overrides)
+    assert [r["variant"] for r in rows] == ["baseline", "all_options"]
+    for row in rows:
+        assert row["steps"] == 20 and len(row["acc"]) == 3 and row["acceptance"]["num_prompts"] == 2
+    grid_dir = run_dir / "grid" / "smoke"
+    table = (grid_dir / "results.md").read_text()
+    assert "| baseline | (defaults) |" in table and "head.fc_norm=true" in table
+    assert (grid_dir / "acceptance_k3.png").stat().st_size > 0 and (grid_dir / "acc_0.png").exists()
+    # The variants trained on the run's cache, with its settings plus their own.
+    head = json.loads((grid_dir / "all_options" / "draft_head" / "draft_config.json").read_text())
+    assert head["config"]["fc_norm"] and head["training"]["num_steps"] == 20
+    assert (
+        head["cache"]["num_samples"]
+        == json.loads((run_dir / "cache" / "manifest.json").read_text())["num_samples"]
+    )
+    # A second run trains nothing again; a variant whose overrides changed is refused.
+    before = (grid_dir / "baseline" / "train_steps.jsonl").read_text()
+    grid(cfg, overrides)
+    assert (grid_dir / "baseline" / "train_steps.jsonl").read_text() == before
+    cfg.grid.variants.baseline = ["optim.lr=1e-2"]
+    with pytest.raises(ValueError, match="trained with other overrides"):
+        grid(cfg, overrides)
+    cfg.grid.variants.baseline = ["cache.draft_vocab_size=10"]
+    with pytest.raises(ValueError, match="changes head.\\*, optim.\\* or train.\\* only"):
+        grid(cfg, overrides)

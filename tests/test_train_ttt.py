@@ -82,13 +82,15 @@ def dense_rollout(model: Eagle3Draft, input_ids_T, aux_TAH, num_steps):
         keys.append(k)
         values.append(v)
         attn = dense_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), ttt_dense_mask(t, step))
-        hidden = layer.finish(attn, residual)
-        outs.append(hidden[0])
+        out = layer.finish(attn, residual)
+        outs.append(out[0])
+        hidden = model.norm(out) if model.config.norm_output else out  # vLLM's aux_output
     return outs
 
 
-def test_rollout_matches_dense_reference_on_a_right_padded_batch():
-    cfg = tiny_config(num_key_value_heads=2)
+@pytest.mark.parametrize("flags", [{}, {"norm_output": True, "norm_before_fc": True, "fc_norm": True}])
+def test_rollout_matches_dense_reference_on_a_right_padded_batch(flags):
+    cfg = tiny_config(num_key_value_heads=2, **flags)
     model = random_draft(cfg)
     torch.manual_seed(1)
     t, lengths, num_steps = 10, [10, 6], 4

@@ -158,8 +158,9 @@ def results_table(rows: list[dict], k: int) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: DictConfig) -> list[dict]:
-    """Train, measure and tabulate every variant; returns the rows."""
+def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
+    """Train, measure and tabulate every variant; returns the rows. `overrides`: the command line `cfg` was
+    composed from (default: Hydra's, when run as a command), passed on to every variant's train stage."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not cfg.grid.variants:
         raise ValueError("grid.variants is empty: pick a grid (grid=recipe) or give variants")
@@ -167,15 +168,16 @@ def run(cfg: DictConfig) -> list[dict]:
     if not (run_dir / "cache" / "manifest.json").exists():
         raise ValueError(f"{run_dir}/cache holds no finished cache: run data_prep/main.py first")
     grid_dir = run_dir / "grid" / cfg.grid.name
-    own = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if overrides is None:
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     rows = []
     for name in tqdm(list(cfg.grid.variants), desc=f"grid {cfg.grid.name}", unit="variant"):
         variant_dir = grid_dir / name
-        overrides = variant_overrides(cfg, own, name, variant_dir)
+        command = variant_overrides(cfg, overrides, name, variant_dir)
         result_file = variant_dir / "grid_result.json"
-        if not prepare_variant(run_dir, variant_dir, overrides):
+        if not prepare_variant(run_dir, variant_dir, command):
             log.info("variant %s: training (log %s)", name, variant_dir / "train.log")
-            write_json_atomic(result_file, {"train_seconds": train_variant(variant_dir, overrides)})
+            write_json_atomic(result_file, {"train_seconds": train_variant(variant_dir, command)})
         result = json.loads(result_file.read_text()) if result_file.exists() else {}
         if cfg.grid.acceptance_prompts and "acceptance" not in result:
             log.info("variant %s: reference acceptance on held-out prompts", name)
