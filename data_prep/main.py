@@ -168,12 +168,15 @@ def run(cfg: DictConfig) -> dict:
         )
 
     if accelerator.is_main_process:
-        counts = count_tokens(
-            [s.input_ids for s in samples["train"]],
-            [s.loss_mask for s in samples["train"]],
-            target_config.vocab_size,
-        )
-        vocab = build_vocab_map(counts, cfg.cache.draft_vocab_size)
+        ids = [s.input_ids for s in samples["train"]]
+        counts = count_tokens(ids, [s.loss_mask for s in samples["train"]], target_config.vocab_size)
+        if cfg.cache.draft_vocab_fill not in ("prompt", "id"):
+            raise ValueError(f"cache.draft_vocab_fill={cfg.cache.draft_vocab_fill!r}: choose prompt or id")
+        fill = None
+        if cfg.cache.draft_vocab_fill == "prompt":
+            prompt_masks = [[1 - m for m in s.loss_mask] for s in samples["train"]]
+            fill = count_tokens(ids, prompt_masks, target_config.vocab_size)
+        vocab = build_vocab_map(counts, cfg.cache.draft_vocab_size, fill)
         save_vocab_map(vocab, cache_dir / "vocab.safetensors")
         write_eval_conversations(cache_dir / "eval_conversations.jsonl", split_convs["eval"])
 

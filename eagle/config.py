@@ -107,6 +107,7 @@ class CacheConfig:
         None  # EAGLE-3 aux layers, vLLM ids; None: (2, L//2, L-3); [] for EAGLE-1 only
     )
     draft_vocab_size: int = 32000  # draft vocab kept by frequency; >= target vocab means no pruning
+    draft_vocab_fill: str = "prompt"  # slots the answers leave: by prompt-token frequency (prompt) | by id
     max_tokens_per_batch: int = 8192  # padded tokens per target forward
     max_shard_mb: int = 1024  # shard size cap; shards never depend on the number of processes
     num_threads: int | None = None  # torch CPU threads per process (None: torch's default)

@@ -1,7 +1,9 @@
 """The draft vocabulary: which target tokens the EAGLE-3 head's `lm_head` can predict.
 
 Built from token frequencies over the loss-masked (assistant) tokens of the training data: the top
-`draft_vocab_size` ids, sorted by id. vLLM maps draft index i to target id `i + d2t[i]` (d2t holds
+`draft_vocab_size` ids, sorted by id. When the answers hold fewer distinct tokens than the draft vocabulary
+has slots, the rest go by the tokens' frequency in the prompts (what answers copy) rather than by id
+(`fill_counts`; measured on the main job's cache: held-out answer tokens covered 92.60% -> 92.83%). vLLM maps draft index i to target id `i + d2t[i]` (d2t holds
 OFFSETS, int64), and `t2d` is a bool mask over the target vocabulary. When the draft vocabulary is the
 whole target vocabulary there is no pruning and no `d2t` (vLLM refuses a `d2t` it does not need).
 """
@@ -42,15 +44,21 @@ def count_tokens(token_lists, mask_lists, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> VocabMap:
-    """Keep the `draft_vocab_size` most frequent ids (ties: lower id first), sorted by id."""
+def build_vocab_map(
+    token_counts: torch.Tensor, draft_vocab_size: int, fill_counts: torch.Tensor | None = None
+) -> VocabMap:
+    """Keep the `draft_vocab_size` most frequent ids, sorted by id. Ties (the never-seen tokens among them)
+    go to the higher `fill_counts` (e.g. prompt-token frequencies), then to the lower id."""
     vocab_size = token_counts.numel()
     if draft_vocab_size <= 0:
         raise ValueError(f"cache.draft_vocab_size={draft_vocab_size}: must be positive")
     if draft_vocab_size >= vocab_size:
         return VocabMap(torch.ones(vocab_size, dtype=torch.bool), None, token_counts)
-    # Stable sort on -count keeps lower ids first among equal counts: the choice is deterministic.
-    order = torch.sort(-token_counts, stable=True).indices
+    # Stable sorts, least significant key first: count, then fill count, then the lower id. Deterministic.
+    order = torch.arange(vocab_size)
+    if fill_counts is not None:
+        order = order[torch.sort(-fill_counts, stable=True).indices]
+    order = order[torch.sort(-token_counts[order], stable=True).indices]
     kept = torch.sort(order[:draft_vocab_size]).values
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[kept] = True

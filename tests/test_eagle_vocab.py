@@ -32,3 +32,13 @@ def test_no_pruning_means_no_d2t(tmp_path):
     assert vocab.d2t is None and vocab.t2d.all() and vocab.draft_vocab_size == 3
     save_vocab_map(vocab, tmp_path / "vocab.safetensors")
     assert load_vocab_map(tmp_path / "vocab.safetensors").d2t is None
+
+
+def test_slots_the_answers_leave_go_to_prompt_tokens():
+    answers = torch.tensor([5, 0, 3, 0, 0, 0])  # two answer tokens for four slots
+    prompts = torch.tensor([9, 0, 0, 4, 7, 4])  # the free slots: token 4 (7), then 3 over 5 (tie: lower id)
+    vocab = build_vocab_map(answers, 4, prompts)
+    assert vocab.draft_to_target.tolist() == [0, 2, 3, 4]
+    assert build_vocab_map(answers, 4).draft_to_target.tolist() == [0, 1, 2, 3]  # without: lowest ids
+    # Answer counts always come first, whatever the prompts say.
+    assert build_vocab_map(answers, 2, prompts).draft_to_target.tolist() == [0, 2]
