@@ -79,17 +79,23 @@ def prepare_variant(run_dir: Path, variant_dir: Path, overrides: list[str]) -> b
     return (variant_dir / "draft_head" / "draft_config.json").exists()
 
 
-def train_variant(variant_dir: Path, overrides: list[str]) -> float:
-    """Run the train stage for one variant (log: <variant>/train.log); its wall time in seconds."""
+def train_variant(variant_dir: Path, overrides: list[str]) -> None:
+    """Run the train stage for one variant (log: <variant>/train.log); its wall time, summed over the runs
+    of an interrupted variant, goes to grid_result.json."""
+    result_file = variant_dir / "grid_result.json"
     start = time.perf_counter()
-    with open(variant_dir / "train.log", "a") as out:
-        done = subprocess.run([sys.executable, str(TRAIN_SCRIPT), *overrides], stdout=out, stderr=out)
+    try:
+        with open(variant_dir / "train.log", "a") as out:
+            done = subprocess.run([sys.executable, str(TRAIN_SCRIPT), *overrides], stdout=out, stderr=out)
+    finally:
+        result = json.loads(result_file.read_text()) if result_file.exists() else {}
+        result["train_seconds"] = result.get("train_seconds", 0.0) + time.perf_counter() - start
+        write_json_atomic(result_file, result)
     if done.returncode:
         raise RuntimeError(
             f"training variant {variant_dir.name} failed (exit {done.returncode}); its log: "
             f"{variant_dir / 'train.log'}"
         )
-    return time.perf_counter() - start
 
 
 def held_out_acceptance(cfg, head_dir: Path) -> dict:
@@ -177,7 +183,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
         result_file = variant_dir / "grid_result.json"
         if not prepare_variant(run_dir, variant_dir, command):
             log.info("variant %s: training (log %s)", name, variant_dir / "train.log")
-            write_json_atomic(result_file, {"train_seconds": train_variant(variant_dir, command)})
+            train_variant(variant_dir, command)
         result = json.loads(result_file.read_text()) if result_file.exists() else {}
         if cfg.grid.acceptance_prompts and "acceptance" not in result:
             log.info("variant %s: reference acceptance on held-out prompts", name)
