@@ -63,9 +63,9 @@ class DraftWithLoss(torch.nn.Module):
     """The head plus its objective in one forward, so DDP / DeepSpeed see a single module call.
 
     EAGLE-3: the TTT loss (train/ttt.py). P-EAGLE: the parallel-drafting loss (train/parallel.py), with
-    COD subsampling while training only (held-out metrics see every anchor). `head.aux_noise` perturbs the
-    aux states while training only. EAGLE-1: feature regression
-    + soft CE (train/eagle1_loss.py), reported as one step (loss_0, acc_0) so the loop treats all alike.
+    COD subsampling while training only (held-out metrics see every anchor); `head.aux_noise` perturbs the
+    aux states while training only. EAGLE-1: feature regression + soft CE (train/eagle1_loss.py), reported
+    as one step (loss_0, acc_0) so the loop treats all alike.
     """
 
     def __init__(self, draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
