@@ -301,12 +301,14 @@ def flipped_norm_before_residual(config: dict, weights: dict) -> None:
 @pytest.mark.parametrize("mistake", [wrong_layer_ids, flipped_norm_before_residual])
 def test_parity_catches_a_wrong_export(regen_head, mistake, tmp_path):
     """The mistakes that load without error in vLLM (HF's hidden_states index off by one; the other
-    residual convention) and silently lower acceptance: the parity check must fail on them."""
+    residual convention) and silently change acceptance: the parity check must fail on them."""
     caught = verify_a_wrong_export(
         regen_head, "eagle3", mistake, tmp_path, "differs from the reference decoder"
     )
     report = caught.report
-    assert report["vllm"]["mean_acceptance_length"] < report["reference"]["mean_acceptance_length"] * 0.98
+    # Which way acceptance moves depends on the head (on the looping smoke target either may), not that it
+    # moves past the tolerance.
+    assert not report["parity"]["passed"]
     # The export-identity check names the same mistake.
     field = "aux_layer_ids" if mistake is wrong_layer_ids else "norm_before_residual"
     assert [d.split(":")[0] for d in report["export_differences"]] == [field]

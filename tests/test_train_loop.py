@@ -54,8 +54,9 @@ def test_golden_first_losses_and_final_head(train_run):
     result = run(train_config(train_run))
     losses = step_losses(train_run)
     # fp32, one thread, seed 0: the first losses of the smoke run. A change here means the model, the
-    # TTT loss, the data order or the init changed; update only when that change is intended.
-    golden = [15.916145324707031, 14.680925369262695, 14.972796440124512]
+    # TTT loss, the data order, the init or the draft vocabulary changed; update only when that change is
+    # intended (last: cache.draft_vocab_fill=prompt, which picks other tokens for the smoke vocabulary).
+    golden = [15.656988143920898, 15.060263633728027, 13.619491577148438]
     assert [losses[1], losses[2], losses[3]] == pytest.approx(golden, rel=1e-4)
     assert losses[8] < losses[1]
     head = train_run / "draft_head"
