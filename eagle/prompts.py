@@ -49,6 +49,17 @@ def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
+def held_out_prompts(cache_dir: Path, tokenizer, num_prompts: int) -> list[list[int]]:
+    """The first user turns of the cache's first `num_prompts` held-out conversations, chat-templated."""
+    path = Path(cache_dir) / "eval_conversations.jsonl"
+    if not path.exists():
+        raise ValueError(f"{path} is missing: decoding reads the held-out prompts data_prep wrote there")
+    conversations = read_conversations(path)[:num_prompts]
+    if not conversations:
+        raise ValueError(f"{path} holds no conversations: no held-out prompts to decode")
+    return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations]
+
+
 def stop_token_ids(tokenizer, target_dir: Path) -> list[int]:
     """The ids that end an answer: the tokenizer's EOS and the generation config's (vLLM stops on both)."""
     ids = set()

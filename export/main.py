@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python expor
 
 from eagle.config import register_configs  # noqa: E402
 from eagle.manifest import write_json_atomic  # noqa: E402
-from eagle.prompts import prompt_token_ids, read_conversations, stop_token_ids  # noqa: E402
+from eagle.prompts import held_out_prompts, stop_token_ids  # noqa: E402
 from eagle.target import load_config, load_tokenizer, target_dir, weights_hash  # noqa: E402
 from export.card import write_model_card  # noqa: E402
 from export.to_vllm import export_head  # noqa: E402
@@ -37,15 +37,7 @@ log = logging.getLogger("export")
 def verification_prompts(cfg, tokenizer, head_config: dict, run_dir: Path) -> list[list[int]]:
     """The first user turns of the cache's held-out conversations, chat-templated for the target."""
     cache_dir = Path(head_config.get("cache", {}).get("path") or run_dir / "cache")
-    path = cache_dir / "eval_conversations.jsonl"
-    if not path.exists():
-        raise ValueError(
-            f"{path} is missing: verification decodes the held-out prompts data_prep wrote there"
-        )
-    conversations = read_conversations(path)[: cfg.export.verify_num_prompts]
-    if not conversations:
-        raise ValueError(f"{path} holds no conversations: nothing to verify the export on")
-    return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations]
+    return held_out_prompts(cache_dir, tokenizer, cfg.export.verify_num_prompts)
 
 
 def run(cfg: DictConfig) -> dict:

@@ -31,6 +31,19 @@ def trained(source, tmp_path_factory, name, *overrides, experiment="smoke"):
     return run_dir
 
 
+def export_and_read_back(run_dir, name, fmt="speculators", dtype="float32"):
+    """Export the run's head to <run_dir>/<name>: (export dir, the trained head as the reference decoder
+    loads it - weights rounded through `dtype` -, the export read back, its draft_to_target)."""
+    target_dir = run_dir / "smoke_target"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    out = export_head(
+        run_dir / "draft_head", run_dir / name, AutoConfig.from_pretrained(target_dir), dtype, fmt
+    )
+    original = load_head(run_dir / "draft_head", target, weight_dtype=dtype)
+    loaded, draft_to_target = read_export(out, target.get_input_embeddings().weight)
+    return out, original, loaded, draft_to_target
+
+
 @pytest.fixture(scope="module")
 def trained_run(smoke_run, tmp_path_factory):
     return trained(smoke_run, tmp_path_factory, "export", "train.max_steps=8")
@@ -66,17 +79,7 @@ def test_peagle_exports_carry_the_mask_token_and_state(peagle_run):
 
 @pytest.mark.parametrize("fmt", ["plain", "speculators"])
 def test_peagle_round_trip_gives_the_heads_rounds(peagle_run, fmt):
-    target_dir = peagle_run / "smoke_target"
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    out = export_head(
-        peagle_run / "draft_head",
-        peagle_run / f"prt_{fmt}",
-        AutoConfig.from_pretrained(target_dir),
-        "float32",
-        fmt,
-    )
-    original = load_head(peagle_run / "draft_head", target)
-    loaded, _ = read_export(out, target.get_input_embeddings().weight)
+    _, original, loaded, _ = export_and_read_back(peagle_run, f"prt_{fmt}", fmt)
     assert loaded.config == original.draft.config and loaded.config.mask_token_id == 5
     torch.manual_seed(0)
     ids, aux = torch.randint(0, 1024, (2, 12)), torch.randn(2, 12, 3, 256)
@@ -144,14 +147,7 @@ def test_export_refuses_a_head_for_another_target(trained_run):
     "fmt,dtype", [("plain", "float32"), ("speculators", "float32"), ("plain", "bfloat16")]
 )
 def test_round_trip_gives_the_heads_logits(trained_run, fmt, dtype):
-    target_dir = trained_run / "smoke_target"
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    out = export_head(
-        trained_run / "draft_head", trained_run / f"rt_{fmt}_{dtype}", AutoConfig.from_pretrained(target_dir),
-        dtype, fmt,
-    )  # fmt: skip
-    original = load_head(trained_run / "draft_head", target, weight_dtype=dtype)
-    loaded, draft_to_target = read_export(out, target.get_input_embeddings().weight)
+    _, original, loaded, draft_to_target = export_and_read_back(trained_run, f"rt_{fmt}_{dtype}", fmt, dtype)
     assert torch.equal(draft_to_target, original.draft_to_target)
     assert loaded.config == original.draft.config
     torch.manual_seed(0)
@@ -164,13 +160,7 @@ def test_round_trip_gives_the_heads_logits(trained_run, fmt, dtype):
 
 
 def test_eagle1_round_trip(eagle1_run):
-    target_dir = eagle1_run / "smoke_target"
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    out = export_head(
-        eagle1_run / "draft_head", eagle1_run / "rt", AutoConfig.from_pretrained(target_dir), "float32"
-    )
-    original = load_head(eagle1_run / "draft_head", target)
-    loaded, draft_to_target = read_export(out, target.get_input_embeddings().weight)
+    _, original, loaded, draft_to_target = export_and_read_back(eagle1_run, "rt", "plain")
     assert draft_to_target is None
     ids, features = torch.randint(0, 1024, (1, 9)), torch.randn(1, 9, 256)
     positions = torch.arange(9)[None]
@@ -380,30 +370,20 @@ def test_vllms_own_config_reader_sees_every_norm_flag(recipe_run, kind, fmt):
 
 @pytest.mark.parametrize("fmt", ["plain", "speculators"])
 def test_recipe_head_round_trip_gives_the_heads_chain(recipe_run, fmt):
-    target_dir = recipe_run / "smoke_target"
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    out = export_head(
-        recipe_run / "draft_head",
-        recipe_run / f"rt_{fmt}",
-        AutoConfig.from_pretrained(target_dir),
-        "float32",
-        fmt,
-    )
+    out, original, loaded, _ = export_and_read_back(recipe_run, f"rt_{fmt}", fmt)
     weights = load_file(str(out / "model.safetensors"))
     assert weights["input_norm.weight"].shape == (3 * 256,) and weights["fc_norm.0.weight"].shape == (256,)
-    original = load_head(recipe_run / "draft_head", target)
-    loaded, _ = read_export(out, target.get_input_embeddings().weight)
     assert loaded.config == original.draft.config
     torch.manual_seed(0)
     ids, aux = torch.randint(0, 1024, (2, 12)), torch.randn(2, 12, 3, 256)
     positions = torch.arange(12).expand(2, -1)
+
+    def second_step_logits(head):  # two chain steps: norm_output decides what the second one reads
+        out_0 = head(ids, head.combine_aux(aux), positions)
+        return head.logits(head(ids, head.carry(out_0), positions + 1))
+
     with torch.no_grad():
-        for head in (original.draft, loaded):  # two chain steps: norm_output decides what the second reads
-            out_0 = head(ids, head.combine_aux(aux), positions)
-            out_1 = head(ids, head.carry(out_0), positions + 1)
-            if head is original.draft:
-                expected = head.logits(out_1)
-        assert torch.equal(head.logits(out_1), expected)
+        assert torch.equal(second_step_logits(loaded), second_step_logits(original.draft))
 
 
 @pytest.fixture(scope="module")

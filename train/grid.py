@@ -100,16 +100,12 @@ def train_variant(variant_dir: Path, overrides: list[str]) -> None:
 
 def held_out_acceptance(cfg, head_dir: Path) -> dict:
     """The reference decoder's acceptance on the cache's held-out prompts (what vLLM serves the head at)."""
-    from eagle.prompts import prompt_token_ids, read_conversations, stop_token_ids
+    from eagle.prompts import held_out_prompts, stop_token_ids
     from eagle.target import load_tokenizer, target_dir
     from export.verify import reference_acceptance
 
     tokenizer = load_tokenizer(cfg.target)
-    path = Path(cfg.run_dir) / "cache" / "eval_conversations.jsonl"
-    conversations = read_conversations(path)[: cfg.grid.acceptance_prompts]
-    if not conversations:
-        raise ValueError(f"{path} holds no held-out conversations to measure acceptance on")
-    prompts = [prompt_token_ids(tokenizer, c["messages"]) for c in conversations]
+    prompts = held_out_prompts(Path(cfg.run_dir) / "cache", tokenizer, cfg.grid.acceptance_prompts)
     _, counts = reference_acceptance(
         target_dir(cfg.target),
         head_dir,
@@ -121,13 +117,11 @@ def held_out_acceptance(cfg, head_dir: Path) -> dict:
     return {"num_prompts": len(prompts), **counts.summary()}
 
 
-def result_row(name: str, overrides: list[str], variant_dir: Path, k: int) -> dict:
-    """One variant's numbers: its final held-out eval, the reference acceptance, the training time."""
+def result_row(name: str, overrides: list[str], variant_dir: Path, k: int, result: dict) -> dict:
+    """One variant's numbers: its final held-out eval, plus `result` (reference acceptance, training time)."""
     head = json.loads((variant_dir / "draft_head" / "draft_config.json").read_text())
     held_out = head["training"]["held_out"]
     depths = sorted(int(key.rsplit("_", 1)[1]) for key in held_out if key.startswith("eval/acc_"))
-    saved = variant_dir / "grid_result.json"
-    extra = json.loads(saved.read_text()) if saved.exists() else {}
     return {
         "variant": name,
         "overrides": overrides,
@@ -136,7 +130,7 @@ def result_row(name: str, overrides: list[str], variant_dir: Path, k: int) -> di
         "acc": [held_out[f"eval/acc_{d}"] for d in depths],
         "cond_acc": [held_out[f"eval/cond_acc_{d}"] for d in depths],
         "estimate": held_out.get(f"eval/accept_len_k{min(k, len(depths))}"),
-        **extra,
+        **result,
     }
 
 
@@ -190,7 +184,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
             result["acceptance"] = held_out_acceptance(cfg, variant_dir / "draft_head")
             write_json_atomic(result_file, result)
         rows.append(
-            result_row(name, list(cfg.grid.variants[name]), variant_dir, cfg.grid.num_speculative_tokens)
+            result_row(
+                name, list(cfg.grid.variants[name]), variant_dir, cfg.grid.num_speculative_tokens, result
+            )
         )
         log.info(
             "variant %s: held-out acc@0 %.3f, estimate %.3f, reference %s",
