@@ -12,7 +12,6 @@ Running it again resumes: finished shards are verified and kept.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python data_
 from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards  # noqa: E402
 from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: E402
 from data_prep.render import render_all  # noqa: E402
-from data_prep.sources import describe_sources, load_conversations  # noqa: E402
+from data_prep.sources import Conversation, describe_sources, load_conversations, split_key  # noqa: E402
 from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
 from eagle.config import register_configs  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
@@ -69,9 +68,12 @@ def build_embedded_target(cfg) -> None:
         raise ValueError(f"target.build={cfg.build!r}: choose smoke, smollm2, smollm2_upgraded or null")
 
 
-def is_held_out(conv_id: str, eval_fraction: float) -> bool:
-    """Deterministic split: the first 64 bits of sha256(id) as a fraction of 2^64."""
-    return int(hashlib.sha256(conv_id.encode()).hexdigest()[:16], 16) < eval_fraction * 2**64
+SPLIT_BY = "prompt_sha256"  # what is_held_out hashes (a cache split another way is refused, not mixed)
+
+
+def is_held_out(conversation: Conversation, eval_fraction: float) -> bool:
+    """Deterministic split by content: the first 64 bits of the prompt's sha256 as a fraction of 2^64."""
+    return int(split_key(conversation)[:16], 16) < eval_fraction * 2**64
 
 
 def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, dataset_fingerprint) -> dict:
@@ -85,6 +87,7 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "dataset_fingerprint": dataset_fingerprint,
         "eval_fraction": cfg.data.eval_fraction,
+        "split_by": SPLIT_BY,
         "max_length": cfg.render.max_length,
         "overlong": cfg.render.overlong,
         "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
@@ -152,8 +155,8 @@ def run(cfg: DictConfig) -> dict:
         log.info("regenerated answers with the target: %s", regen_record)
 
     split_convs = {
-        "train": [c for c in conversations if not is_held_out(c.id, cfg.data.eval_fraction)],
-        "eval": [c for c in conversations if is_held_out(c.id, cfg.data.eval_fraction)],
+        "train": [c for c in conversations if not is_held_out(c, cfg.data.eval_fraction)],
+        "eval": [c for c in conversations if is_held_out(c, cfg.data.eval_fraction)],
     }
     samples, skipped, num_truncated = {}, Counter(loaded.skipped), 0
     for split in SPLITS:

@@ -3,14 +3,16 @@
 `load_conversations(cfg.data)` turns ShareGPT (`conversations: [{from, value}]`), OpenAI
 (`messages: [{role, content}]`) or custom-field records into `Conversation`s shaped
 `[system] user assistant (user assistant)*`, the shape the chat template and the loss mask expect.
-Records that cannot be used are skipped and counted by reason. Truncated or corrupt JSON files keep
-their complete records and are reported (or raise, with `strict=true`), because real dumps often
-ship cut off.
+Records that cannot be used are skipped and counted by reason; a conversation identical to an earlier
+one (after normalisation, whatever its id or file) is kept once (`duplicate_conversation`). Truncated or
+corrupt JSON files keep their complete records and are reported (or raise, with `strict=true`), because
+real dumps often ship cut off.
 
-`cfg.source` is a .json / .jsonl / .parquet file, a glob of them, a directory of them, a directory
-written by `datasets` `save_to_disk`, or otherwise a Hugging Face hub dataset name. `cfg.mix` lists
-several such sources instead (e.g. ShareGPT and UltraChat), each with its own split, format, field names
-and `num_samples`; they are read in order and each one's ids are prefixed with its name.
+`cfg.source` is a .json / .jsonl / .parquet file, a glob of them, a directory of them (subdirectories
+included), a directory written by `datasets` `save_to_disk`, or otherwise a Hugging Face hub dataset
+name. `cfg.mix` lists several such sources instead (e.g. ShareGPT and UltraChat), each with its own
+split, format, field names and `num_samples`; they are read in order and each one's ids are prefixed
+with its name.
 
 The data_prep stage calls `load_conversations` from its `run(cfg)`; to inspect a source by hand:
 
@@ -36,6 +38,7 @@ from omegaconf import MISSING
 
 from data_prep.record_files import ProblemReporter, read_file
 from eagle.config import DataConfig, DataSourceConfig
+from eagle.prompts import NonTextContent, content_text, first_turn_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +97,10 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
     skipped: collections.Counter = collections.Counter()
     problems: list[str] = []
     ids = UniqueIds()
+    seen: set[str] = set()  # content digests of the conversations kept so far, across every source
     for where, entry in sources_to_read(cfg):
         id_prefix = f"{entry.name}/" if cfg.mix else ""
-        found, found_skipped, found_problems = read_source(entry, where, id_prefix, cfg, ids)
+        found, found_skipped, found_problems = read_source(entry, where, id_prefix, cfg, ids, seen)
         if cfg.mix:
             logger.info("%s (%s): %d conversations (skipped: %s)",
                         where, entry.name, len(found), dict(found_skipped))  # fmt: skip
@@ -132,10 +136,16 @@ def describe_sources(cfg: DataConfig) -> str:
 
 
 def read_source(
-    entry: DataConfig | DataSourceConfig, where: str, id_prefix: str, cfg: DataConfig, ids: UniqueIds
+    entry: DataConfig | DataSourceConfig,
+    where: str,
+    id_prefix: str,
+    cfg: DataConfig,
+    ids: UniqueIds,
+    seen: set[str],
 ) -> tuple[list[Conversation], collections.Counter, list[str]]:
     """The usable conversations of one source (`entry`: where it is, its format, fields and num_samples;
-    `cfg`: the settings shared by every source), the records skipped by reason, and file problems."""
+    `cfg`: the settings shared by every source), the records skipped by reason, and file problems.
+    A conversation identical to one already in `seen` (after normalisation) is skipped as a duplicate."""
     role_map = {str(source_role).strip().lower(): role for source_role, role in cfg.role_map.items()}
     skipped: collections.Counter = collections.Counter()
     problems: list[str] = []
@@ -159,6 +169,11 @@ def read_source(
         if pattern and not pattern.search(next(m["content"] for m in messages if m["role"] == "user")):
             skipped["no_match"] += 1
             continue
+        digest = hashlib.sha256(canonical_json(messages)).hexdigest()
+        if digest in seen:
+            skipped["duplicate_conversation"] += 1
+            continue
+        seen.add(digest)
         conversation_id = ids.claim(id_prefix + record_id(record, messages, entry.id_field))
         conversations.append(Conversation(conversation_id, messages))
         if entry.num_samples is not None and len(conversations) >= entry.num_samples:
@@ -208,6 +223,11 @@ def check_data_config(cfg: DataConfig) -> None:
             raise ValueError(
                 f"data.match={cfg.match!r} is not a valid regular expression: {error}"
             ) from error
+    if not 0 <= cfg.eval_fraction < 1:
+        raise ValueError(
+            f"data.eval_fraction={cfg.eval_fraction}: the share of conversations held out must be in [0, 1) "
+            "(0: no held-out split, nothing measured on held-out data; 1 would leave nothing to train on)"
+        )
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise ValueError(f"data.max_turns must be >= 1 or null (all), got {cfg.max_turns}")
 
@@ -263,13 +283,21 @@ def is_saved_dataset(directory: str) -> bool:
 def find_data_files(source: str, where: str = "data") -> list[str]:
     """The .json/.jsonl/.parquet files a path, glob or directory names, sorted so runs repeat."""
     local = os.path.expanduser(source)
-    if os.path.isdir(local):
-        matches = sorted(glob.glob(os.path.join(glob.escape(local), "*")))
+    if os.path.isdir(local):  # subdirectories too: a dump split into folders is read whole
+        matches = sorted(
+            path
+            for path in glob.glob(os.path.join(glob.escape(local), "**", "*"), recursive=True)
+            if os.path.isfile(path)
+        )
     elif os.path.isfile(local):
         matches = [local]
     else:
         matches = sorted(path for path in glob.glob(local, recursive=True) if os.path.isfile(path))
     data_files = [path for path in matches if path.lower().endswith(FILE_EXTENSIONS)]
+    others = [path for path in matches if path not in data_files]
+    if data_files and others:
+        logger.info("%s.source=%r: not reading %d files that are not %s, e.g. %s",
+                    where, source, len(others), "/".join(FILE_EXTENSIONS), others[:3])  # fmt: skip
     if not data_files:
         found = f"; it matches only {matches[:5]}" if matches else ""
         raise ValueError(
@@ -352,9 +380,13 @@ def normalize_messages(
         role = role_map.get(source_role.strip().lower())
         if role is None:
             raise SkippedRecord("unknown_role")
-        if not isinstance(content, str):
+        try:
+            text = content_text(content)  # a string, or OpenAI text parts joined
+        except NonTextContent:
+            raise SkippedRecord("non_text_content") from None
+        if text is None:
             raise SkippedRecord("malformed_record")
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": text})
 
     system = messages[:1] if messages[0]["role"] == "system" else []
     after_system = messages[len(system) :]
@@ -388,6 +420,12 @@ def record_id(record: dict, messages: list[dict[str, str]], id_field: str | None
         return str(value)
     # Content-derived, so the same conversation keeps its id (and its train/eval side) across runs.
     return hashlib.sha256(canonical_json(messages)).hexdigest()[:16]
+
+
+def split_key(conversation: Conversation) -> str:
+    """What the train / held-out split hashes: the prompt (system message and first user turn), so that
+    conversations sharing a prompt land on one side and no held-out prompt was trained on."""
+    return hashlib.sha256(canonical_json(first_turn_prompt(conversation.messages))).hexdigest()
 
 
 def canonical_json(value: Any) -> bytes:

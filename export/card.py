@@ -202,6 +202,13 @@ def model_card(
     ]
     if training.get("held_out"):
         lines += ["", *held_out_section(training["held_out"])]
+    elif training:
+        lines += [
+            "",
+            "## Held-out metrics",
+            "",
+            "Not measured: the cache has no held-out split (data.eval_fraction=0).",
+        ]
     if verification:
         lines += ["", *verification_section(verification)]
     if eval_results:

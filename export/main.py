@@ -30,6 +30,7 @@ from eagle.target import load_config, load_tokenizer, target_dir, weights_hash  
 from export.card import write_model_card  # noqa: E402
 from export.to_vllm import export_head  # noqa: E402
 from export.verify import VerificationError, verify_export  # noqa: E402
+from train.checkpoint import read_head  # noqa: E402
 
 log = logging.getLogger("export")
 
@@ -46,9 +47,7 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.run_dir).resolve()
     head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
     out_dir = Path(cfg.export.out_dir or run_dir / "export")
-    if not (head_dir / "draft_config.json").exists():
-        raise ValueError(f"{head_dir} holds no trained head (draft_config.json): run train/main.py first")
-    head_config = json.loads((head_dir / "draft_config.json").read_text())
+    head_config, _ = read_head(head_dir)  # checksums, finite and sane weights: a corrupt head is not exported
     target_path = target_dir(cfg.target)
     target_config = load_config(cfg.target)
     recorded = head_config["target"].get("hash")

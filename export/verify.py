@@ -155,6 +155,30 @@ def compare(reference: AcceptanceCounts, served: AcceptanceCounts, tolerance: fl
     }
 
 
+COLLAPSE_SHARE = 0.25  # served gain below this share of train's promised gain: the head does not draft
+
+
+def train_estimate(head_dir: Path, k: int) -> float | None:
+    """Train's held-out expected acceptance length at k drafts (its largest depth if fewer); None when
+    the head was trained without a held-out split."""
+    import json
+
+    held_out = json.loads((head_dir / "draft_config.json").read_text()).get("training", {}).get("held_out")
+    if not held_out:
+        return None
+    depths = sorted(int(key.rsplit("k", 1)[1]) for key in held_out if key.startswith("eval/accept_len_k"))
+    usable = [d for d in depths if d <= k] or depths
+    return held_out[f"eval/accept_len_k{usable[-1]}"] if usable else None
+
+
+def collapsed(served_length: float, estimate: float | None) -> bool:
+    """Whether the served head gains less than COLLAPSE_SHARE of what train's estimate promised (checked
+    only where train promised at least 0.1 token per round): corrupt weights, a wrong layer, a mask."""
+    if estimate is None or estimate - 1 < 0.1:
+        return False
+    return served_length - 1 < COLLAPSE_SHARE * (estimate - 1)
+
+
 def format_report(report: dict) -> str:
     ref, served = report["reference"], report["vllm"]
 
@@ -232,8 +256,10 @@ def verify_export(
         "vllm": served.summary(),
         "parity": compare(reference, served, tolerance),
         "export_differences": export_differences(export_dir, head_dir, export_dtype),
+        "train_estimate": train_estimate(head_dir, num_draft_tokens),
         "seconds": time.perf_counter() - start,
     }
+    report["collapsed"] = collapsed(served.mean_acceptance_length, report["train_estimate"])
     log.info("%s", format_report(report))
     problems = []
     if not report["parity"]["passed"]:
@@ -241,6 +267,12 @@ def verify_export(
             f"vLLM's acceptance differs from the reference decoder's for {export_dir}: a flag or convention "
             "differs between training and serving (aux layer ids, norm_before_residual, RoPE, d2t; for "
             "P-EAGLE the mask token id and mask_hidden)."
+        )
+    if report["collapsed"]:
+        problems.append(
+            f"the head collapsed: vLLM's mean acceptance length {served.mean_acceptance_length:.3f} is far below "
+            f"train's held-out estimate {report['train_estimate']:.3f} at k={num_draft_tokens} (parity cannot "
+            "see a head that does not draft). Are its weights corrupt, or was it trained on another target?"
         )
     if report["export_differences"]:
         problems.append(

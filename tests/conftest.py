@@ -1,5 +1,6 @@
 """Shared fixtures: the smoke cache is built once per test session (CPU, a few seconds)."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,18 @@ def smoke_config(run_dir, *overrides, experiment="smoke"):
     return compose(
         "config", [f"experiment={experiment}", f"run_dir={run_dir}", "cache.num_threads=1", *overrides]
     )
+
+
+def rewrite_head_weights(head_dir, weights) -> None:
+    """Replace a head's weights and record their checksum, as train would have (a deliberate edit)."""
+    from safetensors.torch import save_file
+
+    from eagle.cache import file_sha256
+
+    save_file(weights, str(head_dir / "model.safetensors"))
+    config = json.loads((head_dir / "draft_config.json").read_text())
+    config["files"]["model.safetensors"] = file_sha256(head_dir / "model.safetensors")
+    (head_dir / "draft_config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="session")

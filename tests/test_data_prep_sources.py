@@ -28,8 +28,9 @@ def openai(record_id, *turns):
     return {"id": record_id, "messages": [{"role": role, "content": text} for role, text in turns]}
 
 
-def qa(record_id, question="hi", answer="hello"):
-    return sharegpt(record_id, ("human", question), ("gpt", answer))
+def qa(record_id, question=None, answer="hello"):
+    """One exchange; the question names the id, so that records with other ids are other conversations."""
+    return sharegpt(record_id, ("human", question or f"hi {record_id}"), ("gpt", answer))
 
 
 def write_jsonl(path, records):
@@ -116,8 +117,61 @@ def test_directory_and_glob_read_files_in_sorted_order(tmp_path):
     write_jsonl(tmp_path / "b.jsonl", [qa("b")])
     write_json(tmp_path / "a.json", [qa("a")])
     (tmp_path / "README.md").write_text("not data")
-    assert [c.id for c in load(tmp_path).conversations] == ["a", "b"]
+    (tmp_path / "more" / "deeper").mkdir(parents=True)  # subdirectories are read, not skipped
+    write_jsonl(tmp_path / "more" / "c.jsonl", [qa("c")])
+    write_jsonl(tmp_path / "more" / "deeper" / "d.jsonl", [qa("d")])
+    assert [c.id for c in load(tmp_path).conversations] == ["a", "b", "c", "d"]
     assert [c.id for c in load(tmp_path / "*.jsonl").conversations] == ["b"]
+
+
+def test_identical_conversations_are_one_whatever_their_ids_or_files(tmp_path):
+    # The same conversation in two files of a directory, under other ids: kept once, counted as skipped.
+    write_jsonl(tmp_path / "a.jsonl", [qa("x", "same question", "same answer"), qa("y")])
+    write_jsonl(
+        tmp_path / "b.jsonl", [qa("x", "same question", "same answer"), qa("z", "same question", "2")]
+    )
+    loaded = load(tmp_path)
+    assert [c.id for c in loaded.conversations] == ["x", "y", "z"]
+    assert loaded.skipped == collections.Counter({"duplicate_conversation": 1})
+
+
+def test_the_split_goes_by_prompt_so_no_held_out_prompt_is_trained_on():
+    from data_prep.main import is_held_out
+
+    # Same prompt, other ids and answers: one side of the split, whichever it is.
+    for number in range(50):
+        prompt = [{"role": "user", "content": f"question {number}"}]
+        pair = [
+            sources.Conversation(f"id-{number}", [*prompt, {"role": "assistant", "content": "one"}]),
+            sources.Conversation(f"id-{number}#2", [*prompt, {"role": "assistant", "content": "two"}]),
+        ]
+        assert is_held_out(pair[0], 0.5) == is_held_out(pair[1], 0.5)
+    held_out = [
+        is_held_out(sources.Conversation("x", [{"role": "user", "content": f"q{n}"}]), 0.2)
+        for n in range(2000)
+    ]
+    assert 0.17 < sum(held_out) / len(held_out) < 0.23
+    assert not any(
+        is_held_out(sources.Conversation("x", [{"role": "user", "content": f"q{n}"}]), 0) for n in range(200)
+    )
+
+
+def test_openai_multi_part_content_is_joined_and_non_text_parts_skipped(tmp_path):
+    parts = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "text", "text": "here"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "seen"}]},
+    ]}  # fmt: skip
+    image = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+        {"role": "assistant", "content": "a cat"},
+    ]}  # fmt: skip
+    loaded = load(write_jsonl(tmp_path / "d.jsonl", [parts, image, qa("plain")]))
+    assert loaded.conversations[0].messages == [
+        {"role": "user", "content": "look\nhere"},
+        {"role": "assistant", "content": "seen"},
+    ]
+    assert len(loaded.conversations) == 2
+    assert loaded.skipped == collections.Counter({"non_text_content": 1})
 
 
 def test_missing_path_raises_naming_the_source(tmp_path):
@@ -224,7 +278,7 @@ def test_ids_from_field_else_stable_hash(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{16}", ids[1]) and re.fullmatch(r"[0-9a-f]{16}", ids[2])
     assert ids[1] != ids[2]
     assert ids == [c.id for c in again.conversations]
-    assert [c.id for c in load(path, id_field=None).conversations][0] == ids[1]  # same messages, same hash
+    assert [c.id for c in load(path, id_field=None).conversations][1] == ids[1]  # same messages, same hash
 
 
 def test_duplicate_ids_made_unique_in_order(tmp_path):
@@ -354,6 +408,11 @@ def test_bad_config_values_raise():
         load("x.jsonl", format="fields")
     with pytest.raises(ValueError, match="role_map"):
         load("x.jsonl", role_map={"human": "customer"})
+    for fraction in (-0.1, 1, 1.5):
+        with pytest.raises(
+            ValueError, match=re.escape(f"data.eval_fraction={fraction}: ") + ".*in \\[0, 1\\)"
+        ):
+            load("x.jsonl", eval_fraction=fraction)
 
 
 def ultrachat(prompt_id, *turns):
@@ -420,7 +479,7 @@ def test_mix_hub_entries_use_their_own_split(monkeypatch):
 
     def fake_load_dataset(name, split):
         calls.append((name, split))
-        return datasets.Dataset.from_list([ultrachat(split, ("user", "q"), ("assistant", "a"))])
+        return datasets.Dataset.from_list([ultrachat(split, ("user", f"q {split}"), ("assistant", "a"))])
 
     monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
     entries = [
@@ -439,7 +498,9 @@ def test_the_gpu_recipes_mix_reads_the_hub_datasets_in_their_published_shapes(mo
     hub = {
         ("Aeala/ShareGPT_Vicuna_unfiltered", "train"): [qa("QWJhYvA_0", "hi", "hello")],
         ("HuggingFaceH4/ultrachat_200k", "train_sft"): [ultrachat("f0e3", ("user", "q"), ("assistant", "a"))],
-        ("HuggingFaceH4/ultrachat_200k", "train_gen"): [ultrachat("77ab", ("user", "q"), ("assistant", "a"))],
+        ("HuggingFaceH4/ultrachat_200k", "train_gen"): [
+            ultrachat("77ab", ("user", "q2"), ("assistant", "a"))
+        ],
     }
     monkeypatch.setattr(
         sources.datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(hub[(name, split)])

@@ -3,6 +3,7 @@ computations, the recommendation rule, latency summaries and workloads."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -144,15 +145,47 @@ def test_workloads(tmp_path):
     code = humaneval_conversations()
     assert len(code) == 164 and "def " in code[0]["messages"][0]["content"]
     path = tmp_path / "w.jsonl"
-    path.write_text(
-        json.dumps({"prompt": "hi"})
-        + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "yo"}]})
-        + "\n"
-    )
-    assert [c["messages"][0]["content"] for c in read_conversations(path)] == ["hi", "yo"]
-    path.write_text(json.dumps({"text": "no"}) + "\n")
-    with pytest.raises(ValueError, match=r"w.jsonl:1: needs a string `prompt` or a `messages` list"):
+    shapes = [
+        {"prompt": "hi"},
+        {"messages": [{"role": "user", "content": "yo"}]},
+        {"conversations": [{"from": "human", "value": "sharegpt"}, {"from": "gpt", "value": "ok"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ]
+        },
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in shapes))
+    conversations = read_conversations(path)
+    assert [c["messages"][0]["content"] for c in conversations] == ["hi", "yo", "sharegpt", "a\nb"]
+    assert conversations[2]["messages"][1] == {"role": "assistant", "content": "ok"}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b"\xff\xfe\x00binary", "w.jsonl:2: not UTF-8"),
+        (b"[1, 2]", "w.jsonl:2: a JSON list, not an object"),
+        (b"{not json", "w.jsonl:2: not JSON"),
+        (b'{"text": "no"}', "w.jsonl:2: needs a `prompt` string, a `messages` list"),
+        (b'{"messages": [{"role": "assistant", "content": "x"}]}', "w.jsonl:2: no user turn"),
+        (
+            b'{"messages": [{"role": "user", "content": null}]}',
+            "w.jsonl:2: turn 0: `content` is not a string",
+        ),
+        (b'{"messages": [{"content": "x"}]}', "w.jsonl:2: turn 0: needs a `role`"),
+        (b'{"prompt": "  "}', "w.jsonl:2: the first user turn is empty"),
+        (b'{"prompt": null}', "w.jsonl:2: `prompt` is not a string"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+            "w.jsonl:2: a 'image_url' part",
+        ),
+    ],
+)
+def test_workload_file_errors_name_file_and_line(tmp_path, line, message):
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n' + line + b"\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
         read_conversations(path)
 
 

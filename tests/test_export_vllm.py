@@ -17,7 +17,7 @@ from export.main import run as export
 from export.main import verification_prompts
 from export.to_vllm import export_head, read_export
 from export.verify import VerificationError, verify_export
-from tests.conftest import smoke_config
+from tests.conftest import rewrite_head_weights, smoke_config
 from train.main import run as train
 from train.parallel import parallel_forward
 
@@ -302,6 +302,31 @@ def test_parity_catches_a_wrong_export(regen_head, mistake, tmp_path):
     # The export-identity check names the same mistake.
     field = "aux_layer_ids" if mistake is wrong_layer_ids else "norm_before_residual"
     assert [d.split(":")[0] for d in report["export_differences"]] == [field]
+
+
+def test_collapse_is_judged_against_trains_estimate():
+    from export.verify import collapsed
+
+    assert collapsed(1.0, 1.7) and collapsed(1.15, 1.7)  # served gains under a quarter of the promise
+    assert not collapsed(1.3, 1.7) and not collapsed(1.5, 1.58)
+    assert not collapsed(1.0, None) and not collapsed(1.0, 1.05)  # nothing promised: nothing to judge
+
+
+def test_a_head_that_does_not_draft_fails_verification_naming_both_numbers(regen_head, tmp_path):
+    # Finite, sane weights and a matching checksum, and both decoders agree (parity passes) - but the head
+    # never drafts a token the target accepts, where train promised ~1.7.
+    run_dir = tmp_path / "run"
+    shutil.copytree(regen_head, run_dir)
+    weights = load_file(str(run_dir / "draft_head" / "model.safetensors"))
+    weights["lm_head.weight"] = torch.zeros_like(weights["lm_head.weight"])
+    rewrite_head_weights(run_dir / "draft_head", weights)
+    with pytest.raises(
+        VerificationError,
+        match=r"the head collapsed: vLLM's mean acceptance length 1\.0\d* is far "
+        r"below train's held-out estimate 1\.[5-9]\d* at k=3",
+    ) as caught:
+        export(smoke_config(run_dir, "export.verify=true", experiment="smoke_regen"))
+    assert caught.value.report["parity"]["passed"] and caught.value.report["collapsed"]
 
 
 def test_a_head_vllm_refuses_fails_loudly(regen_head, tmp_path):

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eagle.cache import file_sha256
 from eagle.eagle3 import NORM_FLAGS
 from eagle.manifest import write_json_atomic
 from eagle.vocab import VocabMap, load_vocab_map
@@ -29,6 +30,61 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 HEAD_CONFIG = "draft_config.json"
+HEAD_FILES = ("model.safetensors", "vocab.safetensors")  # checksummed in draft_config.json's "files"
+MAX_ABS_WEIGHT = 1e4  # a trained head's weights stay within a few hundred; beyond this they are corrupt
+
+
+def check_weights(weights: dict[str, torch.Tensor], where: Path) -> None:
+    """Refuse weights no training produces: non-finite values, or magnitudes above MAX_ABS_WEIGHT."""
+    for name, tensor in weights.items():
+        if not tensor.is_floating_point() or not tensor.numel():
+            continue
+        if not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(
+                f"{where}: tensor {name} holds {bad} non-finite values (NaN or inf): a corrupt head"
+            )
+        largest = float(tensor.abs().max())
+        if largest > MAX_ABS_WEIGHT:
+            raise ValueError(
+                f"{where}: tensor {name} holds |value| {largest:.3g} > {MAX_ABS_WEIGHT:g}, which no training "
+                "produces: a corrupt head"
+            )
+
+
+def read_head(head_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A trained head's draft_config.json and weights, after checking them: each file against the checksum
+    save_head recorded, the weights finite and of sane size. Raises ValueError naming the file at fault."""
+    head_dir = Path(head_dir)
+    config_path = head_dir / HEAD_CONFIG
+    if not config_path.exists():
+        raise ValueError(f"{head_dir} holds no trained head ({HEAD_CONFIG}): run train/main.py first")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_path}: corrupt ({error}); retrain, or restore the head") from error
+    checksums = config.get("files")
+    if checksums is None:
+        log.warning(
+            "%s records no checksums (written before they existed): its files are not checked", config_path
+        )
+    for name in HEAD_FILES:
+        path = head_dir / name
+        if not path.exists():
+            raise ValueError(f"{path} is missing: the head directory is incomplete; retrain, or restore it")
+        if checksums is not None and file_sha256(path) != checksums.get(name):
+            raise ValueError(
+                f"{path}: checksum mismatch with {config_path} (the file is corrupt or was changed after "
+                "training); retrain, or restore the head"
+            )
+    try:
+        weights = load_file(str(head_dir / "model.safetensors"))
+    except Exception as error:  # safetensors raises its own error types for truncated or garbled files
+        raise ValueError(
+            f"{head_dir / 'model.safetensors'}: cannot be read ({error}); a corrupt head"
+        ) from error
+    check_weights(weights, head_dir / "model.safetensors")
+    return config, weights
 
 
 def checkpoint_dirs(ckpt_dir: Path) -> list[Path]:
@@ -78,7 +134,7 @@ def read_head_weights(path: Path) -> dict[str, torch.Tensor]:
     """Trainable head weights from a final head directory or a checkpoint directory (for warm starts)."""
     path = Path(path)
     if (path / HEAD_CONFIG).exists():
-        return load_file(str(path / "model.safetensors"))
+        return read_head(path)[1]
     if (path / STATE_FILE).exists():
         weights_file = path / "model.safetensors"
         if not weights_file.exists():
@@ -87,7 +143,9 @@ def read_head_weights(path: Path) -> dict[str, torch.Tensor]:
             )
         with safe_open(str(weights_file), framework="pt") as f:
             # The checkpoint holds the training wrapper; the head's weights are under `draft.`.
-            return {k.removeprefix("draft."): f.get_tensor(k) for k in f.keys() if k.startswith("draft.")}
+            weights = {k.removeprefix("draft."): f.get_tensor(k) for k in f.keys() if k.startswith("draft.")}
+        check_weights(weights, weights_file)
+        return weights
     raise ValueError(
         f"train.init_from={str(path)!r}: neither a head directory ({HEAD_CONFIG}) nor a checkpoint ({STATE_FILE})"
     )
@@ -164,6 +222,7 @@ def load_warm_start(model: torch.nn.Module, path: Path, vocab: VocabMap | None =
         and old_vocab is not None
         and "lm_head.weight" in own
         and "lm_head.weight" in weights
+        and weights["lm_head.weight"].shape[1:] == own["lm_head.weight"].shape[1:]
     ):
         old_ids, new_ids = old_vocab.draft_to_target, vocab.draft_to_target
         if not torch.equal(old_ids, new_ids):
@@ -206,6 +265,8 @@ def save_head(directory: Path, weights: dict[str, torch.Tensor], vocab_file: Pat
         {k: v.detach().float().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors")
     )
     shutil.copy(vocab_file, tmp / "vocab.safetensors")
-    write_json_atomic(tmp / HEAD_CONFIG, config)
+    write_json_atomic(
+        tmp / HEAD_CONFIG, {**config, "files": {name: file_sha256(tmp / name) for name in HEAD_FILES}}
+    )
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)

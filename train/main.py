@@ -234,8 +234,11 @@ def lr_factor(step: int, num_steps: int, warmup_ratio: float, min_ratio: float) 
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int) -> dict:
-    """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts."""
+def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int) -> dict | None:
+    """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts;
+    None without a held-out split (data.eval_fraction=0): not measured, never zeros from zero samples."""
+    if not len(eval_split):
+        return None
     model.eval()
     sums = torch.zeros(3, num_steps, device=accelerator.device)  # per step: ce sum, valid, correct
     chain = torch.zeros(2, num_steps, device=accelerator.device)  # per depth: chain hits, chain totals
@@ -372,13 +375,9 @@ def run(cfg: DictConfig) -> dict:
         )  # fmt: skip
 
     if not history:  # resumed a run that had already finished: measure the head it has
-        history = [
-            {
-                "step": step,
-                **evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_loss_steps(cfg)),
-            }
-        ]
-    final_eval = history[-1]
+        measured = evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_loss_steps(cfg))
+        history = [{"step": step, **measured}] if measured else []
+    final_eval = history[-1] if history else None  # None: no held-out split, not measured
     # On every rank: under ZeRO-3 the parameters are sharded and gathered here.
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
@@ -443,8 +442,12 @@ def fit(
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     history, window_tokens, window_start = [], 0, time.perf_counter()
 
-    def held_out_eval(at_step: int) -> dict:
-        result = {"step": at_step, **evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_ttt)}
+    def held_out_eval(at_step: int) -> None:
+        measured = evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_ttt)
+        if measured is None:
+            return  # no held-out split: nothing measured (logged once at the start)
+        result = {"step": at_step, **measured}
+        history.append(result)
         accelerator.log(result, step=at_step)
         if accelerator.is_main_process:
             with open(run_dir / "train_eval.jsonl", "a") as f:
@@ -455,8 +458,9 @@ def fit(
             result["eval/acc_0"],
             result.get("eval/accept_len_k3", float("nan")),
         )
-        return result
 
+    if not len(eval_split):
+        log.warning("the cache has no held-out split (data.eval_fraction=0): held-out metrics not measured")
     if step == 0 and cfg.train.init_from and cfg.train.eval_every:
         held_out_eval(0)  # a warm start's starting point: the older head on this data, before any step
     model.train()
@@ -553,7 +557,7 @@ def fit(
                 )
                 window_tokens, window_start = 0, time.perf_counter()
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == num_steps:
-                history.append(held_out_eval(step))
+                held_out_eval(step)
             stop_now = (
                 accelerator.reduce(torch.tensor(float(stop.requested), device=accelerator.device), "sum") > 0
             )
