@@ -157,6 +157,7 @@ class TrainConfig:
     save_every: int = 200  # checkpoint every N optimizer steps (0: only at the end)
     keep_last: int = 2  # checkpoints kept
     resume: str = "never"  # never | always (continue from the newest checkpoint; error without one) | auto
+    resume_changed: bool = False  # resume although trajectory settings differ from the checkpoint's (logged)
     init_from: str | None = None  # warm start: a final head directory or a checkpoint directory
     report_to: str = "none"  # none | wandb (W&B through accelerate; offline mode needs no account)
     wandb_project: str = "eagle-heads"  # W&B project name

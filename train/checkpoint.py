@@ -95,8 +95,46 @@ def checkpoint_dirs(ckpt_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save_checkpoint(accelerator, ckpt_dir: Path, step: int, epoch: int, keep_last: int) -> Path:
-    """Every rank saves its part; the main rank completes and publishes the checkpoint."""
+TRAJECTORY_KEYS = ("seed", "head", "optim", "train.num_epochs", "train.max_steps", "train.num_samples",
+                   "train.batch_size", "train.gradient_accumulation_steps", "train.mixed_precision",
+                   "train.init_from")  # fmt: skip
+
+
+def trajectory_settings(cfg, world_size: int, dataset_fingerprint: str | None) -> dict:
+    """Every setting that shapes a run's steps, flattened to dotted keys: what a resume must not change
+    silently (the checkpoint's schedule, data order and batches would go on regardless)."""
+    from omegaconf import OmegaConf
+
+    def flatten(prefix: str, value) -> dict:
+        if isinstance(value, dict):
+            return {k: v for key, sub in value.items() for k, v in flatten(f"{prefix}.{key}", sub).items()}
+        return {prefix: value}
+
+    settings = {"world_size": world_size, "data.dataset_fingerprint": dataset_fingerprint}
+    for key in TRAJECTORY_KEYS:
+        value = OmegaConf.select(cfg, key)
+        settings |= flatten(
+            key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        )
+    return settings
+
+
+def changed_settings(recorded: dict | None, current: dict) -> list[str]:
+    """`key: checkpoint X, this run Y` per setting that differs (none for a checkpoint recording none)."""
+    if recorded is None:
+        return []
+    return [
+        f"{key}: checkpoint {recorded.get(key)!r}, this run {current.get(key)!r}"
+        for key in sorted(set(recorded) | set(current))
+        if recorded.get(key) != current.get(key)
+    ]
+
+
+def save_checkpoint(
+    accelerator, ckpt_dir: Path, step: int, epoch: int, keep_last: int, settings: dict | None = None
+) -> Path:
+    """Every rank saves its part; the main rank completes and publishes the checkpoint (with `settings`,
+    the run's trajectory settings, in its trainer state)."""
     final = ckpt_dir / f"step-{step:06d}"
     tmp = ckpt_dir / f".tmp-step-{step:06d}"
     if accelerator.is_main_process:
@@ -106,7 +144,7 @@ def save_checkpoint(accelerator, ckpt_dir: Path, step: int, epoch: int, keep_las
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json_atomic(tmp / STATE_FILE, {"step": step, "epoch": epoch})
+        write_json_atomic(tmp / STATE_FILE, {"step": step, "epoch": epoch, "settings": settings})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in checkpoint_dirs(ckpt_dir)[:-keep_last]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -45,11 +46,13 @@ from eagle.target import (  # noqa: E402
 )
 from eagle.vocab import load_vocab_map  # noqa: E402
 from train.checkpoint import (  # noqa: E402
+    changed_settings,
     checkpoint_dirs,
     load_checkpoint,
     load_warm_start,
     save_checkpoint,
     save_head,
+    trajectory_settings,
 )
 from train.data import collate, plan_epoch  # noqa: E402
 from train.eagle1_loss import eagle1_loss  # noqa: E402
@@ -207,6 +210,18 @@ def mask_token_id(cfg, target_config) -> int:
     )
 
 
+def drop_records_after(step: int, *paths: Path) -> None:
+    """Remove the records of steps after `step` (logged before a kill, replayed after the resume), so
+    that each step is in the logs once."""
+    for path in paths:
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= step]  # fmt: skip
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+
+
 def resume_mode(value) -> str:
     """train.resume as never | always | auto (true/false are accepted for always/never)."""
     mode = {"true": "always", "false": "never"}.get(str(value).lower(), str(value).lower())
@@ -348,11 +363,25 @@ def run(cfg: DictConfig) -> dict:
         )
     if resume == "always" and not checkpoint_dirs(ckpt_dir):
         raise ValueError(f"train.resume=true but {ckpt_dir} has no complete checkpoint to resume from")
+    settings = trajectory_settings(cfg, world, cache_manifest.get("dataset_fingerprint"))
     if checkpoint_dirs(ckpt_dir) and resume != "never":
         latest = checkpoint_dirs(ckpt_dir)[-1]
         state = load_checkpoint(accelerator, latest)
+        changed = changed_settings(state.get("settings"), settings)
+        if changed and not cfg.train.resume_changed:
+            raise ValueError(
+                f"{latest} was written with other settings than this run's:\n  " + "\n  ".join(changed)
+                + "\nResume with the checkpoint's values, or add train.resume_changed=true to go on with these "
+                "(the schedule and data order the checkpoint holds go on as they were)"
+            )  # fmt: skip
+        if changed:
+            log.warning(
+                "resuming with changed settings (train.resume_changed=true):\n  %s", "\n  ".join(changed)
+            )
         step, start_epoch = state["step"], state["epoch"]
         log.info("resumed from %s (step %d)", latest, step)
+        if accelerator.is_main_process:
+            drop_records_after(step, run_dir / "train_steps.jsonl", run_dir / "train_eval.jsonl")
     if accelerator.is_main_process:
         (run_dir / "train.yaml").write_text(OmegaConf.to_yaml(cfg))
     accelerator.init_trackers(
@@ -371,7 +400,7 @@ def run(cfg: DictConfig) -> dict:
     with StopRequest() as stop:
         history = fit(
             cfg, accelerator, model, optimizer, scheduler, train_split, eval_split, step, start_epoch,
-            num_steps, ckpt_dir, stop,
+            num_steps, ckpt_dir, stop, settings,
         )  # fmt: skip
 
     if not history:  # resumed a run that had already finished: measure the head it has
@@ -434,6 +463,7 @@ def fit(
     num_steps,
     ckpt_dir,
     stop,
+    settings,
 ):
     """The training loop: steps of accumulated micro-batches; log, eval and checkpoint every N steps."""
     run_dir = ckpt_dir.parent
@@ -568,6 +598,7 @@ def fit(
                     step,
                     epoch if step % steps_per_epoch else epoch + 1,
                     cfg.train.keep_last,
+                    settings,
                 )
                 log.info("checkpoint %s", path)
             if stop_now:
