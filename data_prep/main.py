@@ -29,7 +29,7 @@ from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: 
 from data_prep.render import render_all  # noqa: E402
 from data_prep.sources import Conversation, describe_sources, load_conversations, split_key  # noqa: E402
 from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
-from eagle.config import register_configs  # noqa: E402
+from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
 from eagle.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity, write_json_atomic  # noqa: E402
 from eagle.target import (  # noqa: E402
@@ -108,6 +108,7 @@ def check_cache_dir(cache_dir: Path, identity: dict) -> None:
 
 def run(cfg: DictConfig) -> dict:
     """Build (or finish) the cache in `<run_dir>/cache`; returns its manifest."""
+    check_config(cfg)
     accelerator = make_accelerator()
     setup_logging(accelerator)
     if cfg.cache.num_threads:

@@ -7,6 +7,7 @@ A run is one experiment file plus a few overrides, e.g.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,74 @@ class PipelineConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     grid: GridConfig = field(default_factory=GridConfig)
+
+
+# (key, test, what it must be): values that would otherwise fail deep inside a stage, or not at all.
+POSITIVE = (lambda v: v is not None and v > 0, "> 0")
+CHECKS = [
+    ("train.batch_size", *POSITIVE),
+    ("train.gradient_accumulation_steps", *POSITIVE),
+    ("train.num_epochs", *POSITIVE),
+    ("train.max_steps", lambda v: v is None or v > 0, "> 0 or null (the epochs decide)"),
+    ("train.num_samples", lambda v: v is None or v > 0, "> 0 or null (all)"),
+    ("train.keep_last", *POSITIVE),
+    ("train.eval_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    ("train.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    ("optim.lr", *POSITIVE),
+    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.max_grad_norm", *POSITIVE),
+    ("head.num_ttt_steps", *POSITIVE),
+    ("eval.concurrency", lambda v: bool(v) and all(c > 0 for c in v), "a non-empty list of values > 0"),
+]
+
+
+def unknown_keys(node, prefix: str = "") -> list[str]:
+    """Keys of `node` (recursively) that its schema dataclass does not declare; free-form dicts (vLLM
+    arguments, role maps) hold any keys."""
+    from omegaconf import ListConfig
+
+    found = []
+    if isinstance(node, ListConfig) and not node._is_none():
+        for index, item in enumerate(node):
+            found += unknown_keys(item, f"{prefix}[{index}]")
+    elif (
+        isinstance(node, DictConfig)
+        and not node._is_none()
+        and dataclasses.is_dataclass(OmegaConf.get_type(node))
+    ):
+        known = {f.name for f in dataclasses.fields(OmegaConf.get_type(node))}
+        for key in node:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in known and not (not prefix and key == "hydra"):
+                found.append(path)
+            elif key in known:
+                found += unknown_keys(node._get_node(key), path)
+    return found
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Refuse, naming the key, what the schema does not know (an override added with `+` is otherwise
+    accepted and silently ignored) and values no stage can use - before any stage starts work."""
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ValueError(
+            f"unknown config keys {unknown}: not settings of any stage (a typo? every key is in "
+            "eagle/config.py)"
+        )
+    for key, test, wanted in CHECKS:
+        value = OmegaConf.select(cfg, key)
+        if not test(value):
+            raise ValueError(f"{key}={value}: must be {wanted}")
+    for index, workload in enumerate(cfg.eval.workloads):
+        for field_name in ("num_prompts", "max_tokens"):
+            if not workload[field_name] > 0:
+                raise ValueError(f"eval.workloads[{index}].{field_name}={workload[field_name]}: must be > 0")
+    for index, head in enumerate(cfg.eval.heads):
+        ks = list(head.num_speculative_tokens)
+        if not ks or any(k < 1 for k in ks):
+            raise ValueError(f"eval.heads[{index}].num_speculative_tokens={ks}: give k values >= 1")
 
 
 def register_configs() -> None:

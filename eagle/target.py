@@ -100,6 +100,11 @@ def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> list[int]:
     if ids is None:
         ids = default_aux_layer_ids(num_hidden_layers)
     ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError(
+            "cache.aux_layer_ids=[]: an EAGLE-3 / P-EAGLE head needs at least one tapped layer; leave it null "
+            f"for the default {default_aux_layer_ids(num_hidden_layers)}"
+        )
     bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
     if bad:
         raise ValueError(

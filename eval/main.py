@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python eval/main.py` from anywhere
 
-from eagle.config import register_configs  # noqa: E402
+from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.prompts import stop_token_ids  # noqa: E402
 from eagle.target import load_config, load_tokenizer, target_dir  # noqa: E402
 from eval.client import run_load, summarize  # noqa: E402
@@ -291,6 +291,7 @@ def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_
 
 
 def run(cfg: DictConfig) -> dict:
+    check_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     run_dir = Path(cfg.run_dir).resolve()
     out_dir = Path(cfg.eval.out_dir or run_dir / ("eval_offline" if cfg.eval.offline else "eval"))

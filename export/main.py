@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python export/main.py` from anywhere
 
-from eagle.config import register_configs  # noqa: E402
+from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.manifest import write_json_atomic  # noqa: E402
 from eagle.prompts import held_out_prompts, stop_token_ids  # noqa: E402
 from eagle.target import load_config, load_tokenizer, target_dir, weights_hash  # noqa: E402
@@ -43,6 +43,7 @@ def verification_prompts(cfg, tokenizer, head_config: dict, run_dir: Path) -> li
 
 def run(cfg: DictConfig) -> dict:
     """Export (and verify) the head; returns {"export_dir", "verification"}."""
+    check_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     run_dir = Path(cfg.run_dir).resolve()
     head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")

@@ -1,5 +1,6 @@
 """The real Hydra configs compose, and the typed schema rejects bad values."""
 
+import re
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from eagle.config import compose
+from eagle.config import check_config, compose
 from eagle.manifest import read_manifest
 from eagle.target import default_aux_layer_ids
 from tests.conftest import REPO
@@ -52,6 +53,7 @@ ACCELERATE_CONFIGS = sorted((REPO / "conf" / "accelerate").glob("*.yaml"))
 def test_every_experiment_composes_and_resolves(experiment):
     # Every file in conf/experiment/, so a new one is covered the day it is added.
     cfg = compose("config", [f"experiment={experiment}", "run_dir=/tmp/x"])
+    check_config(cfg)  # no unknown key, no unusable value
     OmegaConf.resolve(cfg)
     typed = OmegaConf.to_object(cfg)  # every value checked against the schema; nothing left MISSING
     assert typed.target.path and (typed.data.source or typed.data.mix)
@@ -112,3 +114,38 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
     # What the README suggests for a smaller first run.
     cfg = compose("config", ["experiment=llama31_8b", "run_dir=/tmp/x", "data.mix.1.num_samples=1000"])
     assert [entry.num_samples for entry in cfg.data.mix] == [None, 1000, None]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+train.nonsense=1", "unknown config keys ['train.nonsense']"),
+        ("+nonsense=1", "unknown config keys ['nonsense']"),
+        ("train.batch_size=0", "train.batch_size=0: must be > 0"),
+        ("train.gradient_accumulation_steps=0", "train.gradient_accumulation_steps=0: must be > 0"),
+        ("optim.lr=-1", "optim.lr=-1.0: must be > 0"),
+        ("eval.concurrency=[0]", "eval.concurrency=[0]: must be a non-empty list"),
+        (
+            "eval.workloads=[{name: w, source: chat, num_prompts: 0}]",
+            "eval.workloads[0].num_prompts=0: must be > 0",
+        ),
+        ("eval.heads=[{name: h, num_speculative_tokens: []}]", "eval.heads[0].num_speculative_tokens=[]"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_stage_works_naming_the_key(tmp_path, override, message):
+    from train.main import run
+
+    cfg = compose("config", ["experiment=smoke", f"run_dir={tmp_path}", override])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(cfg)  # before reading anything: the run directory is empty
+    # Free-form dicts (vLLM arguments) hold any keys.
+    check_config(
+        compose("config", ["experiment=smoke", "run_dir=/x", "+eval.server_args.tensor-parallel-size=2"])
+    )
+
+
+def test_no_aux_layers_is_refused_where_the_cache_is_built():
+    from eagle.target import resolve_aux_layer_ids
+
+    with pytest.raises(ValueError, match=r"cache.aux_layer_ids=\[\]: .*needs at least one tapped layer"):
+        resolve_aux_layer_ids([], 30)

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/grid.py` from anywhere
 
-from eagle.config import register_configs  # noqa: E402
+from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.manifest import write_json_atomic  # noqa: E402
 from train.curves import plot, read_curve  # noqa: E402
 
@@ -161,6 +161,7 @@ def results_table(rows: list[dict], k: int) -> str:
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
     """Train, measure and tabulate every variant; returns the rows. `overrides`: the command line `cfg` was
     composed from (default: Hydra's, when run as a command), passed on to every variant's train stage."""
+    check_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not cfg.grid.variants:
         raise ValueError("grid.variants is empty: pick a grid (grid=recipe) or give variants")

@@ -32,7 +32,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/main.py` from anywhere
 
 from eagle.cache import CacheSplit  # noqa: E402
-from eagle.config import register_configs  # noqa: E402
+from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.eagle1 import Eagle1Config, Eagle1Draft  # noqa: E402
 from eagle.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS, Eagle3Config, Eagle3Draft  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
@@ -300,6 +300,7 @@ class StopRequest:
 
 def run(cfg: DictConfig) -> dict:
     """Train the head; returns the final held-out metrics."""
+    check_config(cfg)
     accelerator = make_accelerator(
         # The target's lm_head is a buffer, identical on every rank: DDP need not re-send it each step.
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
