@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -31,7 +32,13 @@ from data_prep.sources import Conversation, describe_sources, load_conversations
 from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
 from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.launch import make_accelerator, setup_logging  # noqa: E402
-from eagle.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity, write_json_atomic  # noqa: E402
+from eagle.manifest import (  # noqa: E402
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    check_identity,
+    write_bytes_if_changed,
+    write_json_atomic,
+)
 from eagle.target import (  # noqa: E402
     load_config,
     load_model,
@@ -92,7 +99,37 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         "overlong": cfg.render.overlong,
         "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
         "draft_vocab_size": cfg.cache.draft_vocab_size,
+        "draft_vocab_fill": cfg.cache.draft_vocab_fill,
     }
+
+
+def cache_is_complete(cache_dir: Path) -> bool:
+    path = cache_dir / MANIFEST_NAME
+    return path.exists() and json.loads(path.read_text()).get("complete") is True
+
+
+INCIDENTAL = ("last_run", "target_path")  # this run's statistics; where the target was found (moved runs)
+
+
+def same_content(path: Path, manifest: dict) -> bool:
+    """Whether the manifest at `path` already says what `manifest` does, incidental fields aside."""
+    if not path.exists():
+        return False
+    found = json.loads(path.read_text())
+    return all(found.get(k) == manifest.get(k) for k in set(found) | set(manifest) if k not in INCIDENTAL)
+
+
+def check_free_space(cache_dir: Path, num_bytes: int) -> None:
+    """Refuse to start caching onto a disk without room for it (minus the shards already there)."""
+    present = sum(
+        f.stat().st_size for split in SPLITS for f in (cache_dir / split).glob("shard-*.safetensors")
+    )
+    needed, free = num_bytes - present, shutil.disk_usage(cache_dir).free
+    if needed > free:
+        raise OSError(
+            f"{cache_dir}: caching needs about {needed / 1e9:.2f} GB more and its disk has {free / 1e9:.2f} GB "
+            "free; free some space, use a run_dir on a larger disk, or cache fewer samples (data.num_samples)"
+        )
 
 
 def check_cache_dir(cache_dir: Path, identity: dict) -> None:
@@ -139,9 +176,12 @@ def run(cfg: DictConfig) -> dict:
             cfg, weights_hash(tdir), target_config, aux_layer_ids, tokenizer, loaded.fingerprint
         )
         check_cache_dir(cache_dir, identity)
-        write_json_atomic(
-            cache_dir / MANIFEST_NAME, {"format": FORMAT_VERSION, "complete": False, **identity}
-        )
+        if not cache_is_complete(
+            cache_dir
+        ):  # a complete one stays so: shards are rebuilt atomically, same bytes
+            write_json_atomic(
+                cache_dir / MANIFEST_NAME, {"format": FORMAT_VERSION, "complete": False, **identity}
+            )
     accelerator.wait_for_everyone()
 
     conversations = loaded.conversations
@@ -202,6 +242,8 @@ def run(cfg: DictConfig) -> dict:
         token_bytes,
     )
 
+    if accelerator.is_main_process:
+        check_free_space(cache_dir, sum(num_tokens.values()) * token_bytes)
     model = load_model(cfg.target, accelerator.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     run_stats = {}
@@ -243,7 +285,8 @@ def run(cfg: DictConfig) -> dict:
         }
         shards = [info for split in SPLITS for info in manifest["splits"][split]["shards"]]
         manifest["bytes_per_token"] = round(sum(i["num_bytes"] for i in shards) / sum(num_tokens.values()), 1)
-        write_json_atomic(cache_dir / MANIFEST_NAME, manifest)
+        if not same_content(cache_dir / MANIFEST_NAME, manifest):  # a read-only finished cache stays usable
+            write_json_atomic(cache_dir / MANIFEST_NAME, manifest)
         log.info("cache complete: %s (%s)", cache_dir, {s: manifest["num_samples"][s] for s in SPLITS})
     accelerator.wait_for_everyone()
     return manifest
@@ -262,9 +305,7 @@ def collect_shards(split_dir: Path, num_shards: int) -> list[dict]:
 
 def write_eval_conversations(path: Path, conversations) -> None:
     lines = [json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False) for c in conversations]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    tmp.replace(path)
+    write_bytes_if_changed(path, "".join(line + "\n" for line in lines).encode("utf-8"))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)

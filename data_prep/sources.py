@@ -159,7 +159,10 @@ def read_source(
 
     conversations: list[Conversation] = []
     pattern = re.compile(cfg.match) if cfg.match else None
+    first_fields = None  # the fields of the first record, named when nothing could be read
     for record in read_records(entry, report_problem, where):
+        if first_fields is None and isinstance(record, dict):
+            first_fields = sorted(record)
         try:
             turns = extract_turns(record, entry)
             messages = normalize_messages(turns, role_map, cfg.system_prompt, cfg.max_turns)
@@ -180,9 +183,18 @@ def read_source(
             break  # stop reading: the rest of the source would be thrown away
 
     if not conversations:
+        expected = entry.messages_field or {"sharegpt": "conversations", "openai": "messages"}.get(
+            entry.format, "conversations or messages"
+        )
+        fields = (
+            f"; the records have the fields {first_fields}, and the turns are read from {expected} "
+            f"(another field: {where}.messages_field)"
+            if first_fields is not None and skipped.get("malformed_record")
+            else ""
+        )
         raise ValueError(
             f"no usable conversations in {where}.source={entry.source!r} (format={entry.format}); "
-            f"skipped: {dict(skipped)}; problems: {problems}"
+            f"skipped: {dict(skipped)}; problems: {problems}{fields}"
         )
     return conversations, skipped, problems
 

@@ -23,6 +23,16 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def write_bytes_if_changed(path: Path, data: bytes) -> None:
+    """Write `data` atomically unless the file already holds it (a read-only finished artifact stays usable)."""
+    path = Path(path)
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST_NAME
     if not path.exists():

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
+
+from eagle.manifest import write_bytes_if_changed
 
 
 @dataclass
@@ -70,7 +72,7 @@ def save_vocab_map(vocab: VocabMap, path: Path) -> None:
     tensors = {"t2d": vocab.t2d, "token_counts": vocab.token_counts}
     if vocab.d2t is not None:
         tensors["d2t"] = vocab.d2t
-    save_file(tensors, str(path))
+    write_bytes_if_changed(path, save(tensors))
 
 
 def load_vocab_map(path: Path) -> VocabMap:

@@ -158,6 +158,36 @@ def test_rerun_reuses_every_shard(smoke_run, tmp_path):
     assert shard_hashes(run_dir / "cache") == shard_hashes(smoke_run / "cache")
 
 
+def test_a_finished_cache_reruns_without_writing_so_it_may_be_read_only(smoke_run, tmp_path):
+    # Not by chmod: root (CI containers) writes through it. Every file keeps its inode and mtime instead.
+    run_dir = tmp_path / "read_only"
+    shutil.copytree(smoke_run, run_dir)
+    cache = run_dir / "cache"
+
+    def stamps():
+        return {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in cache.rglob("*")}
+
+    before = stamps()
+    manifest = run(smoke_config(run_dir))
+    assert stamps() == before
+    assert manifest["complete"] and manifest["last_run"]["train"]["num_shards_written"] == 0
+
+
+def test_caching_onto_a_full_disk_is_refused_before_writing_naming_the_directory(
+    smoke_run, tmp_path, monkeypatch
+):
+    import data_prep.main
+
+    run_dir = tmp_path / "full"
+    shutil.copytree(smoke_run / "smoke_target", run_dir / "smoke_target")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(data_prep.main.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(OSError, match=rf"{run_dir / 'cache'}: caching needs about 0.0\d GB more and its disk has "
+                       r"0.00 GB free"):  # fmt: skip
+        run(smoke_config(run_dir))
+    assert not list((run_dir / "cache").rglob("shard-*"))
+
+
 @pytest.mark.parametrize(
     "override, field",
     [

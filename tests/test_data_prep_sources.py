@@ -401,6 +401,17 @@ def test_no_usable_conversations_raises_with_counts(tmp_path):
         load(path)
 
 
+def test_a_parquet_file_with_other_columns_names_expected_and_found(tmp_path):
+    rows = [{"question": "q", "answer": "a", "id": "1"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "qa.parquet")
+    with pytest.raises(
+        ValueError,
+        match=re.escape("the records have the fields ['answer', 'id', 'question'], and the turns are read from "
+                        "conversations or messages (another field: data.messages_field)"),
+    ):  # fmt: skip
+        load(tmp_path / "qa.parquet")
+
+
 def test_bad_config_values_raise():
     with pytest.raises(ValueError, match="format"):
         load("x.jsonl", format="alpaca")

@@ -237,6 +237,30 @@ def test_cache_for_other_layer_ids_is_refused(train_run):
         run(train_config(train_run, "cache.aux_layer_ids=[1,2,4]"))
 
 
+def test_a_cache_without_its_vocabulary_says_to_rerun_data_prep(train_run):
+    (train_run / "cache" / "vocab.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"cache/vocab.safetensors is missing .*rerun data_prep"):
+        run(train_config(train_run))
+
+
+def test_a_full_disk_while_checkpointing_names_the_checkpoint_and_keeps_the_last(train_run, monkeypatch):
+    from accelerate import Accelerator
+
+    real_save, calls = Accelerator.save_state, []
+
+    def save_until_the_disk_fills(self, output_dir=None, **kwargs):
+        calls.append(output_dir)
+        if len(calls) >= 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1472 vs 1366")
+        return real_save(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_until_the_disk_fills)
+    with pytest.raises(OSError, match=r"writing checkpoint .*\.tmp-step-000008 failed \(.*unexpected pos.*GB free "
+                       r"on that disk. The previous checkpoint in .*ckpt is intact"):  # fmt: skip
+        run(train_config(train_run))
+    assert [p.name for p in (train_run / "ckpt").glob("step-*")] == ["step-000004"]
+
+
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(train_run, monkeypatch):
     import train.main
 

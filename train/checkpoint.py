@@ -141,7 +141,13 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    try:
+        accelerator.save_state(str(tmp))
+    except (OSError, RuntimeError) as error:  # a full disk surfaces as ENOSPC, or torch's "unexpected pos"
+        raise OSError(
+            f"writing checkpoint {tmp} failed ({error}); {shutil.disk_usage(ckpt_dir).free / 1e9:.2f} GB free "
+            f"on that disk. The previous checkpoint in {ckpt_dir} is intact: free space, then resume"
+        ) from error
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json_atomic(tmp / STATE_FILE, {"step": step, "epoch": epoch, "settings": settings})

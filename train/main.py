@@ -317,6 +317,11 @@ def run(cfg: DictConfig) -> dict:
     target_config = load_config(cfg.target)
     check_cache_matches_target(cache_manifest, cfg, target_config)
     train_split, eval_split = CacheSplit(cache_dir, "train"), CacheSplit(cache_dir, "eval")
+    if not (cache_dir / "vocab.safetensors").exists():
+        raise ValueError(
+            f"{cache_dir / 'vocab.safetensors'} is missing (the draft vocabulary data_prep writes): rerun "
+            "data_prep on this run_dir"
+        )
     vocab = load_vocab_map(cache_dir / "vocab.safetensors")
 
     draft = build_draft(cfg, target_config, cache_manifest, vocab)
