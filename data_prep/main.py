@@ -39,6 +39,7 @@ from eagle.manifest import (  # noqa: E402
     write_bytes_if_changed,
     write_json_atomic,
 )
+from eagle.reaper import leash  # noqa: E402
 from eagle.target import (  # noqa: E402
     load_config,
     load_model,
@@ -187,9 +188,9 @@ def run(cfg: DictConfig) -> dict:
     conversations = loaded.conversations
     regen_record = None
     if cfg.regen.enabled:
-        with vllm_log_file(
-            Path(cfg.run_dir) / "logs" / f"data_prep_regen_rank{accelerator.process_index}.log"
-        ):
+        rank_name = f"data_prep_regen_rank{accelerator.process_index}"
+        # The engine never outlives this process, however it dies.
+        with vllm_log_file(run_dir / "logs" / f"{rank_name}.log"), leash(run_dir, rank_name):
             conversations, regen_record = regenerate_rank_share(
                 conversations, str(target_dir(cfg.target)), cfg.regen, cache_dir / "regenerated", accelerator
             )

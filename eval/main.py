@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python eval/
 
 from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.prompts import stop_token_ids  # noqa: E402
+from eagle.reaper import leash  # noqa: E402
 from eagle.target import load_config, load_tokenizer, target_dir  # noqa: E402
 from eval.client import run_load, summarize  # noqa: E402
 from eval.economics import economics, recommend  # noqa: E402
@@ -293,6 +294,12 @@ def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_
 def run(cfg: DictConfig) -> dict:
     check_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    with leash(Path(cfg.run_dir).resolve(), "eval"):  # no server outlives this process, however it dies
+        return evaluate_heads(cfg)
+
+
+def evaluate_heads(cfg: DictConfig) -> dict:
+    """The eval stage's work: serve (or decode offline), measure, compare, report."""
     run_dir = Path(cfg.run_dir).resolve()
     out_dir = Path(cfg.eval.out_dir or run_dir / ("eval_offline" if cfg.eval.offline else "eval"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python expor
 from eagle.config import check_config, register_configs  # noqa: E402
 from eagle.manifest import write_json_atomic  # noqa: E402
 from eagle.prompts import held_out_prompts, stop_token_ids  # noqa: E402
+from eagle.reaper import leash  # noqa: E402
 from eagle.target import load_config, load_tokenizer, target_dir, weights_hash  # noqa: E402
 from export.card import write_model_card  # noqa: E402
 from export.to_vllm import export_head  # noqa: E402
@@ -76,20 +77,21 @@ def run(cfg: DictConfig) -> dict:
         tokenizer = load_tokenizer(cfg.target)
         prompts = verification_prompts(cfg, tokenizer, head_config, run_dir)
         try:
-            verification = verify_export(
-                target_path,
-                head_dir,
-                out_dir,
-                head_config["kind"],
-                prompts,
-                stop_token_ids(tokenizer, target_path),
-                cfg.export.num_speculative_tokens,
-                cfg.export.verify_max_new_tokens,
-                cfg.export.verify_tolerance,
-                cfg.export.verify_dtype,
-                cfg.export.dtype,
-                OmegaConf.to_container(cfg.export.vllm_kwargs, resolve=True),
-            )
+            with leash(run_dir, "export"):  # vLLM's engine never outlives this process, however it dies
+                verification = verify_export(
+                    target_path,
+                    head_dir,
+                    out_dir,
+                    head_config["kind"],
+                    prompts,
+                    stop_token_ids(tokenizer, target_path),
+                    cfg.export.num_speculative_tokens,
+                    cfg.export.verify_max_new_tokens,
+                    cfg.export.verify_tolerance,
+                    cfg.export.verify_dtype,
+                    cfg.export.dtype,
+                    OmegaConf.to_container(cfg.export.vllm_kwargs, resolve=True),
+                )
         except VerificationError as error:
             verification, failure = error.report, error
         if verification is not None:
