@@ -390,7 +390,13 @@ def update_model_card(cfg, run_dir: Path, results: dict) -> None:
     if not names or not (export_dir / "README.md").exists() or not (head_dir / "draft_config.json").exists():
         return
     mine = {**results, "headline": [row for row in results["headline"] if row["head"] in names]}
-    write_model_card(export_dir, head_dir, cfg.export.num_speculative_tokens, mine)
+    write_model_card(
+        export_dir,
+        head_dir,
+        cfg.export.num_speculative_tokens,
+        mine,
+        OmegaConf.to_container(cfg.eval.server_args),
+    )
 
 
 def versions() -> dict:

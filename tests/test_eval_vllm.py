@@ -254,3 +254,90 @@ def test_sigterm_stops_eval_and_its_server(eval_run, tmp_path, subprocess_env):
         process.kill()
     time.sleep(1)
     assert not server_processes(str(eval_run)), "SIGTERM left a vLLM server behind"
+
+
+def recorded_processes(record, at_least: int, timeout_s: float) -> list[list[int]]:
+    """The processes the reaper has recorded for a stage, once there are `at_least` of them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if record.exists():
+            processes = json.loads(record.read_text())["processes"]
+            if len(processes) >= at_least:
+                return processes
+        time.sleep(0.5)
+    raise AssertionError(f"{record} never listed {at_least} processes")
+
+
+def sigkill_leaves_nothing(command, record, at_least, subprocess_env):
+    """SIGKILL the stage once its vLLM processes run; none of them may survive it by more than seconds."""
+    from eagle.reaper import alive
+
+    process = subprocess.Popen(
+        command, env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        processes = recorded_processes(record, at_least, 240)
+        time.sleep(3)  # let vLLM's processes start their own children
+        processes = json.loads(record.read_text())["processes"]
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(*p) for p in processes):
+        time.sleep(0.2)
+    survivors = [p for p in processes if alive(*p)]
+    assert not survivors, f"processes outlived the SIGKILLed stage: {survivors}"
+
+
+def test_sigkill_of_eval_leaves_no_server_engine_or_worker(eval_run, tmp_path, subprocess_env):
+    command = [
+        sys.executable, str(REPO / "eval/main.py"), "experiment=smoke_regen", f"run_dir={eval_run}",
+        f"eval.out_dir={tmp_path / 'out'}", "eval.heads=[]", "eval.concurrency=[1]",
+        "eval.workloads=[{name:chat,source:chat,num_prompts:10,max_tokens:512}]",
+    ]  # fmt: skip
+    # The server and its engine core at least.
+    sigkill_leaves_nothing(command, eval_run / "logs" / "eval.processes.json", 2, subprocess_env)
+    assert not server_processes(str(eval_run))
+
+
+def test_sigkill_of_export_verification_leaves_no_engine(eval_run, tmp_path, subprocess_env):
+    command = [
+        sys.executable, str(REPO / "export/main.py"), "experiment=smoke_regen", f"run_dir={eval_run}",
+        f"export.out_dir={tmp_path / 'export'}", "export.verify=true",
+    ]  # fmt: skip
+    sigkill_leaves_nothing(command, eval_run / "logs" / "export.processes.json", 1, subprocess_env)
+
+
+def test_the_serve_command_of_the_model_card_runs_as_printed(eval_run, tmp_path):
+    import os
+    import shlex
+
+    from eval.server import free_port, http_get
+
+    card = (eval_run / "export" / "README.md").read_text()
+    printed = card.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert "--speculative-config" in printed and str((eval_run / "export").resolve()) in printed
+    port = free_port()  # the one addition: another test's server may hold vLLM's default port
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [*shlex.split(printed), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                http_get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        assert server.poll() is None, f"the printed command exited: {log.read_text()[-3000:]}"
+        models = json.loads(http_get(f"http://127.0.0.1:{port}/v1/models"))
+        assert models["data"], "the server answers but serves no model"
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
