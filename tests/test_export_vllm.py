@@ -211,7 +211,7 @@ def test_vllm_accepts_drafts_at_the_reference_decoders_rate(regen_head, fmt, dty
     )
     assert served["num_draft_tokens"] == 3 * served["num_drafts"] == 3 * reference["num_drafts"]
     # Greedy speculative decoding is lossless: both decoders produce the target's own greedy answers.
-    assert report["num_identical_outputs"] == report["num_prompts"] == 10
+    assert report["num_identical_outputs"] == report["num_prompts"] >= 5  # every held-out prompt (up to 10)
     assert json.loads((out_dir / "verification.json").read_text()) == report
     card = (out_dir / "README.md").read_text()
     assert "Parity passed" in card and f"{served['mean_acceptance_length']:.4g}" in card

@@ -257,11 +257,19 @@ def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_st
     model.eval()
     sums = torch.zeros(3, num_steps, device=accelerator.device)  # per step: ce sum, valid, correct
     chain = torch.zeros(2, num_steps, device=accelerator.device)  # per depth: chain hits, chain totals
-    mine = list(range(accelerator.process_index, len(eval_split), accelerator.num_processes))
-    for start in range(0, len(mine), batch_size):
-        batch = collate([eval_split[i] for i in mine[start : start + batch_size]], accelerator.device)
+    world = accelerator.num_processes
+    mine = list(range(accelerator.process_index, len(eval_split), world))
+    # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively: a rank with one
+    # batch fewer would leave the others waiting forever); a rank out of samples reruns its first batch
+    # and discards it.
+    num_batches = math.ceil(math.ceil(len(eval_split) / world) / batch_size)
+    for index in range(num_batches):
+        ids = mine[index * batch_size : (index + 1) * batch_size]
+        batch = collate([eval_split[i] for i in (ids or mine[:batch_size] or [0])], accelerator.device)
         with accelerator.autocast():
             _, metrics = model(batch, denominator=1.0)  # per-step sums
+        if not ids:
+            continue
         for k in range(num_steps):
             n = metrics[f"num_valid_{k}"].float()
             sums[:, k] += torch.stack([metrics[f"loss_{k}"].float(), n, metrics[f"acc_{k}"].float() * n])
