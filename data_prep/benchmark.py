@@ -58,7 +58,7 @@ def main() -> None:
     build_embedded_target(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     target_config = load_config(cfg.target)
-    aux_ids = resolve_aux_layer_ids(cfg.cache.aux_layer_ids, target_config.num_hidden_layers)
+    aux_ids = resolve_aux_layer_ids(cfg.cache.aux_layer_ids, target_config.num_hidden_layers, cfg.head.kind)
     samples, _, _ = render_all(
         tokenizer, load_conversations(cfg.data).conversations, cfg.render.max_length, cfg.render.overlong
     )

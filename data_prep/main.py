@@ -161,7 +161,9 @@ def run(cfg: DictConfig) -> dict:
 
     tokenizer = load_tokenizer(cfg.target)
     target_config = load_config(cfg.target)
-    aux_layer_ids = resolve_aux_layer_ids(cfg.cache.aux_layer_ids, target_config.num_hidden_layers)
+    aux_layer_ids = resolve_aux_layer_ids(
+        cfg.cache.aux_layer_ids, target_config.num_hidden_layers, cfg.head.kind
+    )
     loaded = load_conversations(cfg.data)
     log.info(
         "%d conversations from %s; skipped %s",

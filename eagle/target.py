@@ -95,15 +95,15 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     return sorted({2, num_hidden_layers // 2, num_hidden_layers - 3})
 
 
-def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> list[int]:
+def resolve_aux_layer_ids(ids, num_hidden_layers: int, head_kind: str = "eagle3") -> list[int]:
     """Validated aux ids: id i is the residual stream entering decoder layer i (id L: before the final norm)."""
     if ids is None:
         ids = default_aux_layer_ids(num_hidden_layers)
     ids = [int(i) for i in ids]
-    if not ids:
+    if not ids and head_kind != "eagle1":  # an EAGLE-1 head reads only the final state: [] is its cache
         raise ValueError(
-            "cache.aux_layer_ids=[]: an EAGLE-3 / P-EAGLE head needs at least one tapped layer; leave it null "
-            f"for the default {default_aux_layer_ids(num_hidden_layers)}"
+            f"cache.aux_layer_ids=[]: a head.kind={head_kind} head needs at least one tapped layer; leave it "
+            f"null for the default {default_aux_layer_ids(num_hidden_layers)} ([] suits EAGLE-1 heads only)"
         )
     bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
     if bad:

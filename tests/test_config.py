@@ -144,8 +144,12 @@ def test_bad_settings_are_refused_before_any_stage_works_naming_the_key(tmp_path
     )
 
 
-def test_no_aux_layers_is_refused_where_the_cache_is_built():
+def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
     from eagle.target import resolve_aux_layer_ids
 
-    with pytest.raises(ValueError, match=r"cache.aux_layer_ids=\[\]: .*needs at least one tapped layer"):
-        resolve_aux_layer_ids([], 30)
+    for kind in ("eagle3", "peagle"):
+        with pytest.raises(
+            ValueError, match=rf"cache.aux_layer_ids=\[\]: a head.kind={kind} head needs at least one"
+        ):
+            resolve_aux_layer_ids([], 30, kind)
+    assert resolve_aux_layer_ids([], 30, "eagle1") == []  # EAGLE-1 reads only the final state
