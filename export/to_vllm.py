@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from eagle.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS
 from eagle.target import DTYPES
 from eagle.vocab import load_vocab_map
+from train.checkpoint import read_head
 
 
 def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
@@ -140,12 +141,15 @@ def export_head(
     fmt: str = "speculators",
     target_path: str = "",
     num_speculative_tokens: int = 3,
+    head: tuple[dict, dict] | None = None,
 ) -> Path:
     """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically.
 
     EAGLE-3 heads go to `fmt` (speculators or plain); EAGLE-1 heads have one format, plain Llama.
+    `head`: the directory's (config, weights) as `read_head` returned them, when the caller has read them.
     """
-    head_config = json.loads((head_dir / "draft_config.json").read_text())
+    # Checksums, finite and sane weights: a corrupt head is refused here, whoever exports it.
+    head_config, head_weights = head or read_head(head_dir)
     kind, c = head_config["kind"], head_config["config"]
     if kind not in FORMATS:
         raise ValueError(f"{head_dir}/draft_config.json: unknown head kind {kind!r}")
@@ -156,7 +160,7 @@ def export_head(
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     check_head_fits_target(head_dir, c, target_config)
-    weights = {k: v.to(DTYPES[dtype]) for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    weights = {k: v.to(DTYPES[dtype]) for k, v in head_weights.items()}
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
     for i in range(1, c.get("num_hidden_layers", 1)):  # vLLM loads a (here unused) hidden_norm per layer
         weights[f"layers.{i}.hidden_norm.weight"] = torch.ones(c["hidden_size"], dtype=DTYPES[dtype])
