@@ -1,4 +1,5 @@
-"""Run the target over rendered samples and write its hidden states to cache shards.
+"""Run the target over rendered samples and write its hidden states to cache shards (or, with
+`cache.hidden_states=false`, the tokens and loss masks alone).
 
 Shards are planned from the samples alone (never from the number of processes), and shard s is computed
 by rank s % world_size: any number of processes writes the same files, and a rerun skips every shard
@@ -15,15 +16,16 @@ import torch
 from tqdm import tqdm
 
 from eagle.cache import read_complete_shard_info, shard_path, write_shard
-from eagle.target import capture_aux_states
+from eagle.target import target_hidden_states
 
 log = logging.getLogger(__name__)
 
 
-def bytes_per_token(num_aux: int, hidden_size: int) -> int:
+def bytes_per_token(num_aux: int, hidden_size: int, hidden_states: bool = True) -> int:
     """Disk per cached token, at most: bf16 aux and final states (ids and mask fit in the aux rows a shard
-    leaves out, see eagle/cache.py)."""
-    return 2 * (num_aux + 1) * hidden_size
+    leaves out, see eagle/cache.py); without hidden states (`cache.hidden_states=false`), the token id and
+    its mask bit (4 bytes: ids above 65,535 take int32)."""
+    return 2 * (num_aux + 1) * hidden_size if hidden_states else 4
 
 
 def plan_shards(lengths: list[int], token_bytes: int, max_shard_bytes: int) -> list[list[int]]:
@@ -56,23 +58,6 @@ def plan_batches(indices: list[int], lengths: list[int], max_tokens_per_batch: i
     return batches
 
 
-@torch.inference_mode()
-def target_hidden_states(model, input_ids_BT, attention_mask_BT, aux_layer_ids):
-    """Aux states [B, T, n_aux, H] and final post-norm states [B, T, H] in one target forward.
-
-    Only the decoder runs: the lm_head's logits are not needed for the cache.
-    """
-    with capture_aux_states(model, aux_layer_ids) as captured:
-        final_BTH = model.model(
-            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
-        ).last_hidden_state
-    if aux_layer_ids:
-        aux_BTNH = torch.stack([captured[i] for i in aux_layer_ids], dim=2)
-    else:
-        aux_BTNH = final_BTH.new_zeros(*final_BTH.shape[:2], 0, final_BTH.shape[-1])
-    return aux_BTNH, final_BTH
-
-
 def pad_batch(samples, indices, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids and attention mask: right padding leaves every real position's states unchanged."""
     max_len = max(len(samples[i].input_ids) for i in indices)
@@ -86,8 +71,15 @@ def pad_batch(samples, indices, pad_id: int, device) -> tuple[torch.Tensor, torc
 
 
 def compute_shard(model, samples, indices, aux_layer_ids, max_tokens_per_batch, pad_id, device, on_tokens):
-    """Hidden states of the samples `indices`, in that order, ready for `write_shard`."""
+    """The samples `indices`, in that order, with the target's hidden states, ready for `write_shard`;
+    `model` None: tokens and loss masks only (a cache for online training)."""
     lengths = [len(s.input_ids) for s in samples]
+    if model is None:
+        on_tokens(sum(lengths[i] for i in indices))
+        return [
+            {"id": samples[i].id, "input_ids": samples[i].input_ids, "loss_mask": samples[i].loss_mask}
+            for i in indices
+        ]
     results = {}
     for batch in plan_batches(indices, lengths, max_tokens_per_batch):
         input_ids, attention_mask = pad_batch(samples, batch, pad_id, device)

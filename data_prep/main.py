@@ -6,7 +6,9 @@
 
 Steps: load and normalize conversations -> hold out a split by a hash of each id -> optionally regenerate
 the answers with the target (vLLM) -> render with the chat template and assistant-only loss masks ->
-draft vocabulary -> hidden states of the target, sharded across processes -> manifest (written last).
+draft vocabulary -> hidden states of the target, sharded across processes (unless
+cache.hidden_states=false: then the shards hold tokens and loss masks only, for train.features=online)
+-> manifest (written last).
 Running it again resumes: finished shards are verified and kept.
 """
 
@@ -101,6 +103,7 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
         "draft_vocab_size": cfg.cache.draft_vocab_size,
         "draft_vocab_fill": cfg.cache.draft_vocab_fill,
+        "hidden_states": cfg.cache.hidden_states,  # false: tokens only, for train.features=online
     }
 
 
@@ -227,7 +230,7 @@ def run(cfg: DictConfig) -> dict:
         save_vocab_map(vocab, cache_dir / "vocab.safetensors")
         write_eval_conversations(cache_dir / "eval_conversations.jsonl", split_convs["eval"])
 
-    token_bytes = bytes_per_token(len(aux_layer_ids), target_config.hidden_size)
+    token_bytes = bytes_per_token(len(aux_layer_ids), target_config.hidden_size, cfg.cache.hidden_states)
     plans = {
         split: plan_shards(
             [len(s.input_ids) for s in samples[split]], token_bytes, cfg.cache.max_shard_mb * 2**20
@@ -247,7 +250,8 @@ def run(cfg: DictConfig) -> dict:
 
     if accelerator.is_main_process:
         check_free_space(cache_dir, sum(num_tokens.values()) * token_bytes)
-    model = load_model(cfg.target, accelerator.device)
+    # Without hidden states (online training computes them) the target is never loaded here.
+    model = load_model(cfg.target, accelerator.device) if cfg.cache.hidden_states else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     run_stats = {}
     for split in SPLITS:

@@ -18,6 +18,8 @@ A shard holds its samples back to back (n samples, N tokens in all):
     sample_offsets [n+1] int64        sample i is tokens [offsets[i], offsets[i+1])
 and the format name and sample ids in its metadata (one JSON string under the key `eagle`). Packing ids
 and the mask and dropping the never-used rows keeps a shard within 2 x (n_aux + 1) x H bytes per token.
+A cache made for online training (`cache.hidden_states=false`, manifest `"hidden_states": false`) has
+shards without aux_hidden and final_hidden: a few bytes per token; train computes the states itself.
 Files are memory-mapped: reading a sample reads only its rows.
 """
 
@@ -56,7 +58,7 @@ def file_sha256(path: Path) -> str:
 
 
 def write_shard(path: Path, samples: list[dict]) -> dict:
-    """Write samples ({id, input_ids, loss_mask, aux_hidden, final_hidden}) as one shard, atomically.
+    """Write samples ({id, input_ids, loss_mask[, aux_hidden, final_hidden]}) as one shard, atomically.
 
     The sidecar with the checksum is written after the shard is in place, so a shard without a valid
     sidecar is never taken for complete, whenever the process dies.
@@ -67,10 +69,11 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
     tensors = {
         "input_ids": input_ids.to(torch.uint16 if int(input_ids.max()) < 2**16 else torch.int32),
         "loss_mask_bits": torch.from_numpy(np.packbits(loss_mask, bitorder="little")),
-        "aux_hidden": torch.cat([s["aux_hidden"][:-1].to(HIDDEN_DTYPE) for s in samples]),
-        "final_hidden": torch.cat([s["final_hidden"].to(HIDDEN_DTYPE) for s in samples]),
         "sample_offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
+    if "final_hidden" in samples[0]:
+        tensors["aux_hidden"] = torch.cat([s["aux_hidden"][:-1].to(HIDDEN_DTYPE) for s in samples])
+        tensors["final_hidden"] = torch.cat([s["final_hidden"].to(HIDDEN_DTYPE) for s in samples])
     # One metadata key: safetensors writes several in hash-map order, which differs from run to run.
     metadata = {"eagle": json.dumps({"format": SHARD_FORMAT, "sample_ids": [s["id"] for s in samples]})}
     data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
@@ -120,6 +123,7 @@ class CacheSplit:
         if split not in self.manifest["splits"]:
             raise ValueError(f"{self.cache_dir}: no split {split!r} (have {sorted(self.manifest['splits'])})")
         self.split_dir = self.cache_dir / split
+        self.hidden_states = self.manifest.get("hidden_states", True)  # False: train computes them online
         self.shards = self.manifest["splits"][split]["shards"]
         self._handles: dict[int, object] = {}
         self.ids: list[str] = []
@@ -158,15 +162,18 @@ class CacheSplit:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """One sample: input_ids [T] int64, loss_mask [T] bool, aux_hidden [T, n_aux, H] (the last row,
-        never used in training, is zeros), final_hidden [T, H]."""
+        never used in training, is zeros), final_hidden [T, H]; the last two only in a cache with hidden
+        states."""
         shard_index, start, end, aux_start = self._where[index]
         handle = self._handle(shard_index)
         bits = handle.get_slice("loss_mask_bits")[start // 8 : (end + 7) // 8].numpy()
         loss_mask = np.unpackbits(bits, bitorder="little")[start % 8 : start % 8 + end - start]
-        aux = handle.get_slice("aux_hidden")[aux_start : aux_start + end - start - 1]
-        return {
+        sample = {
             "input_ids": handle.get_slice("input_ids")[start:end].to(torch.int64),
             "loss_mask": torch.from_numpy(loss_mask.astype(bool)),
-            "aux_hidden": torch.cat([aux, aux.new_zeros(1, *aux.shape[1:])]),
-            "final_hidden": handle.get_slice("final_hidden")[start:end],
         }
+        if self.hidden_states:
+            aux = handle.get_slice("aux_hidden")[aux_start : aux_start + end - start - 1]
+            sample["aux_hidden"] = torch.cat([aux, aux.new_zeros(1, *aux.shape[1:])])
+            sample["final_hidden"] = handle.get_slice("final_hidden")[start:end]
+        return sample

@@ -109,6 +109,7 @@ class CacheConfig:
     )
     draft_vocab_size: int = 32000  # draft vocab kept by frequency; >= target vocab means no pruning
     draft_vocab_fill: str = "prompt"  # slots the answers leave: by prompt-token frequency (prompt) | by id
+    hidden_states: bool = True  # false: tokens and loss masks only, no target forward (train.features=online)
     max_tokens_per_batch: int = 8192  # padded tokens per target forward
     max_shard_mb: int = 1024  # shard size cap; shards never depend on the number of processes
     num_threads: int | None = None  # torch CPU threads per process (None: torch's default)
@@ -152,6 +153,8 @@ class TrainConfig:
     batch_size: int = 4  # samples per micro-batch per process
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     mixed_precision: str = "bf16"  # no | bf16 | fp16 (fp32 master weights either way)
+    features: str = "cache"  # the target's hidden states: cache (read from data_prep's cache) | online
+    # (the frozen target runs on each micro-batch beside the head; the cache needs cache.hidden_states=false)
     teacher_chunk_size: int = 2048  # tokens per full-vocab teacher logits chunk (memory bound)
     log_every: int = 10  # status line (and W&B point) every N optimizer steps
     eval_every: int = 100  # held-out eval every N optimizer steps (0: only at the end)
@@ -269,6 +272,7 @@ CHECKS = [
     ("train.max_steps", lambda v: v is None or v > 0, "> 0 or null (the epochs decide)"),
     ("train.num_samples", lambda v: v is None or v > 0, "> 0 or null (all)"),
     ("train.keep_last", *POSITIVE),
+    ("train.features", lambda v: v in ("cache", "online"), "cache or online"),
     ("train.eval_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("train.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("optim.lr", *POSITIVE),

@@ -56,11 +56,27 @@ def load_config(cfg):
     return AutoConfig.from_pretrained(target_dir(cfg))
 
 
+@contextmanager
+def whole_weights():
+    """Load a model whole even inside a DeepSpeed ZeRO-3 run: accelerate registers its ZeRO-3 config with
+    transformers, whose from_pretrained would then partition the weights into placeholders that only a
+    DeepSpeed engine can use (the frozen target of online training runs outside the engine)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
 def load_model(cfg, device: torch.device | str = "cpu"):
     """The target in `cfg.dtype`, in eval mode, without gradients."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"target.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=DTYPES[cfg.dtype])
+    with whole_weights():
+        model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=DTYPES[cfg.dtype])
     model.to(device).eval().requires_grad_(False)
     return model
 
@@ -133,6 +149,18 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def weights_bytes(cfg) -> int:
+    """Bytes the target's weights take in `target.dtype`, from the safetensors headers (nothing loaded)."""
+    files = _weight_files(target_dir(cfg))
+    numel = 0
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                numel += int(torch.tensor(shape).prod()) if shape else 1
+    return numel * DTYPES[cfg.dtype].itemsize
+
+
 def load_embedding_and_lm_head(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding [V, H] and lm_head [V, H], read without loading the whole model.
 
@@ -185,3 +213,21 @@ def capture_aux_states(model, aux_layer_ids: list[int]):
     finally:
         for handle in handles:
             handle.remove()
+
+
+@torch.inference_mode()
+def target_hidden_states(model, input_ids_BT, attention_mask_BT, aux_layer_ids):
+    """Aux states [B, T, n_aux, H] and final post-norm states [B, T, H] in one target forward.
+
+    Only the decoder runs: the lm_head's logits are not needed. data_prep caches these; online training
+    (`train.features=online`) computes them in the training step: one implementation for both.
+    """
+    with capture_aux_states(model, aux_layer_ids) as captured:
+        final_BTH = model.model(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
+        ).last_hidden_state
+    if aux_layer_ids:
+        aux_BTNH = torch.stack([captured[i] for i in aux_layer_ids], dim=2)
+    else:
+        aux_BTNH = final_BTH.new_zeros(*final_BTH.shape[:2], 0, final_BTH.shape[-1])
+    return aux_BTNH, final_BTH

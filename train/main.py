@@ -5,7 +5,9 @@ drafting, or EAGLE-1.
     accelerate launch --num_processes 8 train/main.py run_dir=/runs/llama31 train.report_to=wandb
     accelerate launch --config_file conf/accelerate/zero2.yaml train/main.py run_dir=...   # DeepSpeed ZeRO-2
 
-Reads <run_dir>/cache (data_prep), writes checkpoints to <run_dir>/ckpt, held-out metrics to
+Reads <run_dir>/cache (data_prep), with the target's hidden states in it (train.features=cache) or
+computed by the frozen target in each training step (train.features=online, for a cache made with
+cache.hidden_states=false); writes checkpoints to <run_dir>/ckpt, held-out metrics to
 <run_dir>/train_eval.jsonl and the final head to <run_dir>/draft_head (what export reads).
 The TTT math is in train/ttt.py, parallel drafting's in train/parallel.py; the heads in eagle/eagle3.py
 (EAGLE-3 and P-EAGLE) and eagle/eagle1.py; this file is the loop around them.
@@ -41,7 +43,9 @@ from eagle.target import (  # noqa: E402
     load_config,
     load_embedding_and_lm_head,
     load_final_norm,
+    load_model,
     target_dir,
+    weights_bytes,
     weights_hash,
 )
 from eagle.vocab import load_vocab_map  # noqa: E402
@@ -54,7 +58,7 @@ from train.checkpoint import (  # noqa: E402
     save_head,
     trajectory_settings,
 )
-from train.data import collate, plan_epoch  # noqa: E402
+from train.data import OnlineStates, collate, plan_epoch  # noqa: E402
 from train.eagle1_loss import eagle1_loss  # noqa: E402
 from train.parallel import parallel_loss  # noqa: E402
 from train.ttt import conditional_accuracies, expected_acceptance_length, ttt_loss  # noqa: E402
@@ -133,6 +137,47 @@ def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None
             f"{cfg.run_dir}/cache was made for another target or layers than train is given "
             f"(target.path={cfg.target.path}):\n" + "\n".join(lines)
         )
+
+
+# Online training refuses a target taking more than this share of a GPU's free memory: the rest is the
+# head, its optimizer state, the teacher's lm_head and the activations of a micro-batch.
+ONLINE_TARGET_SHARE = 0.6
+
+
+def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | None:
+    """The frozen target for `train.features=online` (None for `cache`), after checking that the cache suits
+    the mode: online needs a tokens-only cache, cache mode a cache with hidden states.
+
+    The target is loaded whole on every rank, in `target.dtype`, beside the head: DeepSpeed / DDP wrap only
+    the head, so ZeRO-3 does not shard it. A target that does not fit on the device is refused here.
+    """
+    cache_dir = train_split.cache_dir
+    if cfg.train.features == "cache":
+        if not train_split.hidden_states:
+            raise ValueError(
+                f"{cache_dir} holds no hidden states (data_prep ran with cache.hidden_states=false): train "
+                "with train.features=online (the target runs in each training step), or rerun data_prep "
+                "with cache.hidden_states=true into another run_dir"
+            )
+        return None
+    if train_split.hidden_states:
+        raise ValueError(
+            f"train.features=online, but {cache_dir} holds the target's hidden states already: train on them "
+            "with train.features=cache (the target's forwards are paid for), or make a tokens-only cache "
+            "with data_prep cache.hidden_states=true -> false in another run_dir"
+        )
+    device = torch.device(accelerator.device)
+    if device.type == "cuda":
+        needed, free = weights_bytes(cfg.target), torch.cuda.mem_get_info(device)[0]
+        if needed > ONLINE_TARGET_SHARE * free:
+            raise ValueError(
+                f"train.features=online: the target {cfg.target.path} takes {needed / 1e9:.1f} GB in "
+                f"target.dtype={cfg.target.dtype}, more than {ONLINE_TARGET_SHARE:.0%} of the "
+                f"{free / 1e9:.1f} GB free on {device}, and every rank holds it whole beside the head (it "
+                "is not sharded); use GPUs with more memory, or train.features=cache (data_prep caches "
+                "the hidden states, rank by rank, with cache.hidden_states=true)"
+            )
+    return OnlineStates(load_model(cfg.target, device), train_split.manifest["aux_layer_ids"])
 
 
 def build_draft(cfg, target_config, cache_manifest, vocab):
@@ -249,7 +294,9 @@ def lr_factor(step: int, num_steps: int, warmup_ratio: float, min_ratio: float) 
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int) -> dict | None:
+def evaluate(
+    accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int, states=None
+) -> dict | None:
     """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts;
     None without a held-out split (data.eval_fraction=0): not measured, never zeros from zero samples."""
     if not len(eval_split):
@@ -265,7 +312,8 @@ def evaluate(accelerator, model, eval_split: CacheSplit, batch_size: int, num_st
     num_batches = math.ceil(math.ceil(len(eval_split) / world) / batch_size)
     for index in range(num_batches):
         ids = mine[index * batch_size : (index + 1) * batch_size]
-        batch = collate([eval_split[i] for i in (ids or mine[:batch_size] or [0])], accelerator.device)
+        samples = [eval_split[i] for i in (ids or mine[:batch_size] or [0])]
+        batch = collate(samples, accelerator.device, states)
         with accelerator.autocast():
             _, metrics = model(batch, denominator=1.0)  # per-step sums
         if not ids:
@@ -331,6 +379,7 @@ def run(cfg: DictConfig) -> dict:
             "data_prep on this run_dir"
         )
     vocab = load_vocab_map(cache_dir / "vocab.safetensors")
+    states = online_states(cfg, accelerator, train_split)  # None: the states come from the cache
 
     draft = build_draft(cfg, target_config, cache_manifest, vocab)
     embed, lm_head = load_embedding_and_lm_head(cfg.target)
@@ -414,11 +463,11 @@ def run(cfg: DictConfig) -> dict:
     with StopRequest() as stop:
         history = fit(
             cfg, accelerator, model, optimizer, scheduler, train_split, eval_split, step, start_epoch,
-            num_steps, ckpt_dir, stop, settings,
+            num_steps, ckpt_dir, stop, settings, states,
         )  # fmt: skip
 
     if not history:  # resumed a run that had already finished: measure the head it has
-        measured = evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_loss_steps(cfg))
+        measured = evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_loss_steps(cfg), states)
         history = [{"step": step, **measured}] if measured else []
     final_eval = history[-1] if history else None  # None: no held-out split, not measured
     # On every rank: under ZeRO-3 the parameters are sharded and gathered here.
@@ -478,6 +527,7 @@ def fit(
     ckpt_dir,
     stop,
     settings,
+    states,
 ):
     """The training loop: steps of accumulated micro-batches; log, eval and checkpoint every N steps."""
     run_dir = ckpt_dir.parent
@@ -487,7 +537,7 @@ def fit(
     history, window_tokens, window_start = [], 0, time.perf_counter()
 
     def held_out_eval(at_step: int) -> None:
-        measured = evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_ttt)
+        measured = evaluate(accelerator, model, eval_split, cfg.train.batch_size, num_ttt, states)
         if measured is None:
             return  # no held-out split: nothing measured (logged once at the start)
         result = {"step": at_step, **measured}
@@ -518,13 +568,21 @@ def fit(
         for micro_batches in plan[step - epoch * steps_per_epoch :]:
             if step >= num_steps:
                 break
+            step_start = time.perf_counter()
             batches = [
-                collate([train_split[i] for i in ids], accelerator.device) for ids in micro_batches[rank]
+                collate([train_split[i] for i in ids], accelerator.device, states)
+                for ids in micro_batches[rank]
             ]
             # Normalise by the loss tokens of the whole global batch: any split across processes and
             # micro-batches then gives the same gradient (DDP averages, hence the factor world).
-            num_loss_tokens = accelerator.reduce(sum(b["loss_mask"].sum() for b in batches).float(), "sum")
-            denominator = num_loss_tokens.clamp(min=1) / world
+            counts = accelerator.reduce(
+                torch.stack(
+                    [sum(b[k].sum() for b in batches).float() for k in ("loss_mask", "attention_mask")]
+                ),
+                "sum",
+            )
+            denominator, step_tokens = counts[0].clamp(min=1) / world, int(counts[1])
+            window_tokens += step_tokens
             step_metrics = torch.zeros(3, num_ttt, device=accelerator.device)  # loss sum, valid, correct
             for index, batch in enumerate(batches):
                 sync = index == len(batches) - 1
@@ -539,7 +597,6 @@ def fit(
                     step_metrics[:, k] += torch.stack(
                         [metrics[f"loss_{k}"] * denominator, n, metrics[f"acc_{k}"] * n]
                     )
-                window_tokens += int(batch["attention_mask"].sum())
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             step_metrics = accelerator.reduce(step_metrics, "sum")
             total_loss = float(
@@ -563,21 +620,18 @@ def fit(
             step += 1
             bar.update(1)
             if accelerator.is_main_process:  # every step's loss: what resume and golden-loss tests compare
+                seconds = time.perf_counter() - step_start  # data, online target included: benchmarks read it
+                record = {"step": step, "loss": total_loss, "grad_norm": float(grad_norm)}
                 with open(run_dir / "train_steps.jsonl", "a") as f:
-                    f.write(
-                        json.dumps({"step": step, "loss": total_loss, "grad_norm": float(grad_norm)}) + "\n"
-                    )
+                    f.write(json.dumps(record | {"tokens": step_tokens, "seconds": seconds}) + "\n")
 
             if step % cfg.train.log_every == 0 or step == num_steps:
-                tokens = accelerator.reduce(
-                    torch.tensor(float(window_tokens), device=accelerator.device), "sum"
-                )
                 seconds = time.perf_counter() - window_start
                 record = {
                     "train/loss": total_loss,
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(grad_norm),
-                    "train/tok_per_s": float(tokens) / seconds,
+                    "train/tok_per_s": window_tokens / seconds,
                 }
                 record |= {
                     f"train/loss_{k}": float(step_metrics[0, k] / step_metrics[1, k].clamp(min=1))

@@ -1,0 +1,122 @@
+"""Online training (train.features=online): the target's hidden states computed in the training step from a
+tokens-only cache (cache.hidden_states=false) train the same head as the cache does."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from data_prep.main import run as data_prep
+from tests.conftest import REPO, smoke_config
+from tests.test_train_loop import FAST, PEAGLE, assert_same_head, step_losses, train_config
+from train.main import run as train
+
+ONLINE = ("cache.hidden_states=false", "train.features=online")
+# What online changes is the batching of the target's forwards (per micro-batch here, per length-sorted
+# group in data_prep); with the states rounded to bf16 as the cache stores them, a rare element rounds the
+# other way, so losses and weights agree to bf16 tolerance, not bitwise.
+LOSS_RTOL, WEIGHT_ATOL = 1e-3, 1e-3
+
+
+def shard_bytes(run_dir) -> int:
+    return sum(f.stat().st_size for f in (run_dir / "cache").rglob("shard-*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def online_run(tmp_path_factory, smoke_target_dir):
+    """A smoke run directory with a tokens-only cache of the same data as `smoke_run` (read-only)."""
+    run_dir = tmp_path_factory.mktemp("online_run")
+    shutil.copytree(smoke_target_dir, run_dir / "smoke_target")
+    data_prep(smoke_config(run_dir, "cache.hidden_states=false"))
+    return run_dir
+
+
+def fresh(run_dir, tmp_path, name):
+    copy = tmp_path / name
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("ckpt", "draft_head", "train_*"))
+    return copy
+
+
+def test_a_tokens_only_cache_has_the_same_samples_and_no_states_in_far_fewer_bytes(online_run, smoke_run):
+    online, cached = (
+        json.loads((d / "cache" / "manifest.json").read_text()) for d in (online_run, smoke_run)
+    )
+    assert online["hidden_states"] is False and cached["hidden_states"] is True
+    for key in ("num_samples", "num_tokens", "num_loss_tokens", "dataset_fingerprint", "aux_layer_ids"):
+        assert online[key] == cached[key], key
+    assert (online_run / "cache" / "vocab.safetensors").read_bytes() == (
+        smoke_run / "cache" / "vocab.safetensors"
+    ).read_bytes()
+    for shard in (online_run / "cache").rglob("shard-*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            assert set(f.keys()) == {"input_ids", "loss_mask_bits", "sample_offsets"}
+    # 4 bytes a token at most (ids, mask bits, offsets) against 2 x (n_aux + 1) x H of hidden states
+    num_tokens = sum(online["num_tokens"].values())
+    assert shard_bytes(online_run) <= 4 * num_tokens + 4096 * len(
+        list((online_run / "cache").rglob("*.json"))
+    )
+    assert shard_bytes(online_run) * 50 < shard_bytes(smoke_run)
+    assert online["bytes_per_token"] < 5
+
+
+@pytest.mark.parametrize("head", [(), PEAGLE, ("head.kind=eagle1",)], ids=["eagle3", "peagle", "eagle1"])
+def test_online_training_equals_cached_training(online_run, smoke_run, tmp_path, head):
+    cached_dir, online_dir = fresh(smoke_run, tmp_path, "cached"), fresh(online_run, tmp_path, "online")
+    cached_eval = train(train_config(cached_dir, *head))
+    online_eval = train(train_config(online_dir, *ONLINE, *head))
+    assert step_losses(online_dir) == pytest.approx(step_losses(cached_dir), rel=LOSS_RTOL)
+    assert_same_head(cached_dir, online_dir, atol=WEIGHT_ATOL)
+    assert online_eval == pytest.approx(cached_eval, rel=LOSS_RTOL, abs=1e-3)
+    settings = json.loads((online_dir / "draft_head" / "draft_config.json").read_text())["training"]
+    assert settings["settings"]["train"]["features"] == "online"
+
+
+def test_two_ranks_online_equal_one_process(online_run, tmp_path, subprocess_env):
+    single = fresh(online_run, tmp_path, "single")
+    train(train_config(single, *ONLINE, "train.batch_size=4", "train.max_steps=4"))
+    ddp_dir = fresh(online_run, tmp_path, "ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/main.py",
+           "experiment=smoke", f"run_dir={ddp_dir}", *FAST, *ONLINE, "train.batch_size=2", "train.max_steps=4"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes" in result.stderr
+    assert_same_head(single, ddp_dir, atol=2e-5)
+    assert step_losses(ddp_dir) == pytest.approx(step_losses(single), rel=1e-4)
+
+
+def test_deepspeed_zero3_online_on_two_cpu_ranks_equals_one_process(online_run, tmp_path, subprocess_env):
+    # The frozen target stays whole on each rank (loaded outside zero.Init); ZeRO-3 shards the head only.
+    pytest.importorskip("deepspeed")
+    single = fresh(online_run, tmp_path, "single")
+    train(train_config(single, *ONLINE, "train.batch_size=4", "train.max_steps=4"))
+    ds_dir = fresh(online_run, tmp_path, "ds")
+    env = dict(subprocess_env, DS_ACCELERATOR="cpu", ACCELERATE_USE_DEEPSPEED="true",
+               ACCELERATE_DEEPSPEED_ZERO_STAGE="3", ACCELERATE_DEEPSPEED_ZERO3_INIT="true")  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/main.py",
+           "experiment=smoke", f"run_dir={ds_dir}", *FAST, *ONLINE, "train.batch_size=2", "train.max_steps=4"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_head(single, ds_dir, atol=5e-5)
+    assert step_losses(ds_dir) == pytest.approx(step_losses(single), rel=1e-4)
+
+
+def test_online_resume_reproduces_the_losses(online_run, tmp_path):
+    run_dir = fresh(online_run, tmp_path, "run")
+    train(train_config(run_dir, *ONLINE))
+    uninterrupted = step_losses(run_dir)
+    for path in ("draft_head", "ckpt/step-000008"):
+        shutil.rmtree(run_dir / path)
+    train(train_config(run_dir, *ONLINE, "train.resume=true"))
+    assert step_losses(run_dir) == uninterrupted  # same target forwards, same order: bitwise
+
+
+def test_the_wrong_mode_for_the_cache_is_refused_naming_the_option(online_run, smoke_run, tmp_path):
+    with pytest.raises(ValueError, match=r"holds no hidden states.*train\.features=online"):
+        train(train_config(fresh(online_run, tmp_path, "a"), "cache.hidden_states=false"))
+    with pytest.raises(ValueError, match=r"train\.features=online, but .* holds the target's hidden states"):
+        train(train_config(fresh(smoke_run, tmp_path, "b"), "train.features=online"))
+    with pytest.raises(ValueError, match=r"train\.features=disk: must be cache or online"):
+        train(train_config(fresh(online_run, tmp_path, "c"), "train.features=disk"))
