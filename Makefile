@@ -3,7 +3,7 @@
 #   make main     the main job: SmolLM2-135M + ShareGPT, every stage, ending in a vLLM measurement (<= 45 min)
 #                 (make main PROFILE=quick: a first look in <= 10 min); rerun it to continue after an interrupt
 #   make smoke    every stage on the tiny smoke target
-#   make bench    data_prep and train benchmarks (smoke target and SmolLM2-135M)
+#   make bench    data_prep and train benchmarks, online against cached training (smoke target and SmolLM2-135M)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -73,6 +73,8 @@ bench: setup
 	$(PY) train/benchmark.py --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/main.py run_dir=runs/bench/tb_smol data.num_samples=24 render.max_length=512
 	$(PY) train/benchmark.py --num-batches 4 --repeats 3 --out runs/bench/train_smollm2.json -- run_dir=runs/bench/tb_smol train.batch_size=2
+	$(PY) train/benchmark_online.py --steps 40 --warmup 5 --work-dir runs/bench/online_smoke --out runs/bench/online_smoke.json -- experiment=smoke
+	$(PY) train/benchmark_online.py --steps 12 --warmup 2 --work-dir runs/bench/online_smollm2 --out runs/bench/online_smollm2.json -- experiment=smollm2 data.num_samples=200 regen.enabled=false
 
 clean:
 	rm -rf $(VENV) runs

@@ -120,3 +120,19 @@ def test_the_wrong_mode_for_the_cache_is_refused_naming_the_option(online_run, s
         train(train_config(fresh(smoke_run, tmp_path, "b"), "train.features=online"))
     with pytest.raises(ValueError, match=r"train\.features=disk: must be cache or online"):
         train(train_config(fresh(online_run, tmp_path, "c"), "train.features=disk"))
+
+
+def test_the_benchmark_reports_both_modes_and_the_trade_off(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "train/benchmark_online.py", "--steps", "3", "--warmup", "1",
+           "--work-dir", str(tmp_path / "work"), "--out", str(out), "--", "experiment=smoke"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cache, online = report["results"]["cache"], report["results"]["online"]
+    assert cache["train_tokens"] == online["train_tokens"] > 0 and cache["train_steps_timed"] == 2
+    assert online["shard_bytes"] * 50 < cache["shard_bytes"]
+    assert report["summary"]["cache_bytes_per_token"] == pytest.approx(
+        cache["shard_bytes"] / cache["cached_tokens"], rel=1e-3
+    )
+    assert "online / cache:" in result.stdout
