@@ -164,7 +164,7 @@ def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | N
         raise ValueError(
             f"train.features=online, but {cache_dir} holds the target's hidden states already: train on them "
             "with train.features=cache (the target's forwards are paid for), or make a tokens-only cache "
-            "with data_prep cache.hidden_states=true -> false in another run_dir"
+            "(data_prep with cache.hidden_states=false) in another run_dir"
         )
     device = torch.device(accelerator.device)
     if device.type == "cuda":
