@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -156,8 +157,7 @@ def weights_bytes(cfg) -> int:
     for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                shape = f.get_slice(name).get_shape()
-                numel += int(torch.tensor(shape).prod()) if shape else 1
+                numel += math.prod(f.get_slice(name).get_shape())
     return numel * DTYPES[cfg.dtype].itemsize
 
 

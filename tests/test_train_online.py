@@ -5,13 +5,18 @@ import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from data_prep.main import run as data_prep
+from eagle.cache import CacheSplit
+from eagle.target import load_model, weights_bytes
 from tests.conftest import REPO, smoke_config
 from tests.test_train_loop import FAST, PEAGLE, assert_same_head, step_losses, train_config
+from train.main import online_states
 from train.main import run as train
 
 ONLINE = ("cache.hidden_states=false", "train.features=online")
@@ -136,3 +141,14 @@ def test_the_benchmark_reports_both_modes_and_the_trade_off(tmp_path):
         cache["shard_bytes"] / cache["cached_tokens"], rel=1e-3
     )
     assert "online / cache:" in result.stdout
+
+
+def test_a_target_too_large_for_the_gpu_is_refused_with_its_size(online_run, monkeypatch):
+    cfg = train_config(online_run, *ONLINE)
+    model = load_model(cfg.target)
+    assert weights_bytes(cfg.target) == sum(p.numel() * p.element_size() for p in model.parameters())
+    free = weights_bytes(cfg.target)  # the target alone would fill the GPU: no room for the head
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 8 * free))
+    accelerator = SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"takes [\d.]+ GB in target\.dtype=\w+, more than 60% of the"):
+        online_states(cfg, accelerator, CacheSplit(online_run / "cache", "train"))
