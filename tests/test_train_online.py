@@ -79,9 +79,13 @@ def test_online_training_equals_cached_training(online_run, smoke_run, tmp_path,
     assert settings["settings"]["train"]["features"] == "online"
 
 
-def test_two_ranks_online_equal_one_process(online_run, tmp_path, subprocess_env):
+def test_two_ranks_online_equal_one_process_and_cached_training(
+    online_run, smoke_run, tmp_path, subprocess_env
+):
     single = fresh(online_run, tmp_path, "single")
     train(train_config(single, *ONLINE, "train.batch_size=4", "train.max_steps=4"))
+    cached = fresh(smoke_run, tmp_path, "cached")
+    train(train_config(cached, "train.batch_size=4", "train.max_steps=4"))
     ddp_dir = fresh(online_run, tmp_path, "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/main.py",
            "experiment=smoke", f"run_dir={ddp_dir}", *FAST, *ONLINE, "train.batch_size=2", "train.max_steps=4"]  # fmt: skip
@@ -90,6 +94,8 @@ def test_two_ranks_online_equal_one_process(online_run, tmp_path, subprocess_env
     assert "2 processes" in result.stderr
     assert_same_head(single, ddp_dir, atol=2e-5)
     assert step_losses(ddp_dir) == pytest.approx(step_losses(single), rel=1e-4)
+    assert_same_head(cached, ddp_dir, atol=WEIGHT_ATOL)
+    assert step_losses(ddp_dir) == pytest.approx(step_losses(cached), rel=LOSS_RTOL)
 
 
 def test_deepspeed_zero3_online_on_two_cpu_ranks_equals_one_process(online_run, tmp_path, subprocess_env):
