@@ -272,7 +272,8 @@ def verify_export(
         problems.append(
             f"the head collapsed: vLLM's mean acceptance length {served.mean_acceptance_length:.3f} is far below "
             f"train's held-out estimate {report['train_estimate']:.3f} at k={num_draft_tokens} (parity cannot "
-            "see a head that does not draft). Are its weights corrupt, or was it trained on another target?"
+            "see a head that does not draft). Are its weights corrupt, was it trained on another target, or "
+            "on answers the target does not give (regenerate them: regen.enabled=true)?"
         )
     if report["export_differences"]:
         problems.append(
