@@ -49,9 +49,8 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.run_dir).resolve()
     head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
     out_dir = Path(cfg.export.out_dir or run_dir / "export")
-    head = head_config, _ = read_head(
-        head_dir
-    )  # checksums, finite and sane weights: a corrupt head is not exported
+    # Checksums, finite and sane weights: a corrupt head is not exported (export_head reuses what is read).
+    head = head_config, _ = read_head(head_dir)
     target_path = target_dir(cfg.target)
     target_config = load_config(cfg.target)
     recorded = head_config["target"].get("hash")

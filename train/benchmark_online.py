@@ -109,7 +109,7 @@ def main() -> None:
             "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
-        },  # fmt: skip
+        },
         "results": results,
         "summary": summary,
     }

@@ -620,10 +620,15 @@ def fit(
             step += 1
             bar.update(1)
             if accelerator.is_main_process:  # every step's loss: what resume and golden-loss tests compare
-                seconds = time.perf_counter() - step_start  # data, online target included: benchmarks read it
-                record = {"step": step, "loss": total_loss, "grad_norm": float(grad_norm)}
+                record = {
+                    "step": step,
+                    "loss": total_loss,
+                    "grad_norm": float(grad_norm),
+                    "tokens": step_tokens,
+                    "seconds": time.perf_counter() - step_start,  # data, online target included: benchmarks
+                }
                 with open(run_dir / "train_steps.jsonl", "a") as f:
-                    f.write(json.dumps(record | {"tokens": step_tokens, "seconds": seconds}) + "\n")
+                    f.write(json.dumps(record) + "\n")
 
             if step % cfg.train.log_every == 0 or step == num_steps:
                 seconds = time.perf_counter() - window_start
