@@ -17,22 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data_prep.hidden_states import compute_shard, pad_batch, plan_batches  # noqa: E402
-from data_prep.main import build_embedded_target  # noqa: E402
-from data_prep.render import render_all  # noqa: E402
-from data_prep.sources import load_conversations  # noqa: E402
-from eagle.cache import write_shard  # noqa: E402
-from eagle.config import compose  # noqa: E402
-from eagle.target import load_config, load_model, load_tokenizer, resolve_aux_layer_ids  # noqa: E402
+from artifacts.cache import write_shard
+from artifacts.config import compose
+from data_prep.hidden_states import compute_shard, pad_batch, plan_batches
+from data_prep.main import build_embedded_target
+from data_prep.render import render_all
+from data_prep.sources import load_conversations
+from target.model import load_config, load_model, load_tokenizer, resolve_aux_layer_ids
 
 
 def timed(fn) -> float:

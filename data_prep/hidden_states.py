@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle.cache import read_complete_shard_info, shard_path, write_shard
-from eagle.target import target_hidden_states
+from artifacts.cache import read_complete_shard_info, shard_path, write_shard
+from target.model import target_hidden_states
 
 log = logging.getLogger(__name__)
 
 
 def bytes_per_token(num_aux: int, hidden_size: int, hidden_states: bool = True) -> int:
     """Disk per cached token, at most: bf16 aux and final states (ids and mask fit in the aux rows a shard
-    leaves out, see eagle/cache.py); without hidden states (`cache.hidden_states=false`), the token id and
+    leaves out, see artifacts/cache.py); without hidden states (`cache.hidden_states=false`), the token id and
     its mask bit (4 bytes: ids above 65,535 take int32)."""
     return 2 * (num_aux + 1) * hidden_size if hidden_states else 4
 

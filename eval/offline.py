@@ -1,4 +1,4 @@
-"""eval.offline=true: acceptance without vLLM, from the reference decoder (eagle/reference_decoder.py) running
+"""eval.offline=true: acceptance without vLLM, from the reference decoder (heads/reference_decoder.py) running
 the HF target and each exported head - the same figures vLLM's counters give at concurrency 1 in fp32
 (export verification proves that), in minutes on a laptop; no latency or speedup.
 """
@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle.acceptance import AcceptanceCounts
-from eagle.reference_decoder import DraftHead, inference_device, speculative_generate
 from export.to_vllm import read_export, read_export_config
+from heads.acceptance import AcceptanceCounts
+from heads.reference_decoder import DraftHead, inference_device, speculative_generate
 
 NO_LATENCY = {"mean": None, "p50": None, "p90": None, "p99": None}
 

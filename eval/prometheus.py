@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from eagle.acceptance import VLLM_PREFIX, AcceptanceCounts
+from heads.acceptance import VLLM_PREFIX, AcceptanceCounts
 
 # name{label="value",...} number   (labels optional; the value may be NaN/+Inf; a timestamp may follow)
 SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")

@@ -11,7 +11,7 @@ import gzip
 import json
 from pathlib import Path
 
-from eagle.prompts import prompt_token_ids, read_conversations
+from artifacts.prompts import prompt_token_ids, read_conversations
 
 CODE_INSTRUCTION = (
     "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
@@ -19,7 +19,7 @@ CODE_INSTRUCTION = (
 
 
 def humaneval_conversations() -> list[dict]:
-    from eagle.assets import humaneval_path
+    from artifacts.assets import humaneval_path
 
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
         tasks = [json.loads(line) for line in f if line.strip()]

@@ -199,7 +199,7 @@ def model_card(
                 ["processes", training.get("num_processes", "?")],
                 [
                     "parallel depths" if kind == "peagle" else "TTT steps",
-                    settings.get("head", {}).get("num_ttt_steps", "?"),
+                    settings.get("head", {}).get("num_depths" if kind == "peagle" else "num_ttt_steps", "?"),
                 ],
                 ["learning rate", settings.get("optim", {}).get("lr", "?")],
                 ["micro-batch per process", settings.get("train", {}).get("batch_size", "?")],

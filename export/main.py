@@ -7,7 +7,7 @@
 Reads <run_dir>/draft_head (train) and the target; writes <run_dir>/export/ with config.json and
 model.safetensors (what vLLM reads), README.md (the model card) and, when verified, verification.json.
 The format is decided in export/to_vllm.py, the proof in export/verify.py (reference decoder:
-eagle/reference_decoder.py). Serve the result with
+heads/reference_decoder.py). Serve the result with
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<run_dir>/export", ...}'
 """
 
@@ -15,23 +15,20 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python export/main.py` from anywhere
-
-from eagle.config import check_config, register_configs  # noqa: E402
-from eagle.manifest import write_json_atomic  # noqa: E402
-from eagle.prompts import held_out_prompts, stop_token_ids  # noqa: E402
-from eagle.reaper import leash  # noqa: E402
-from eagle.target import load_config, load_tokenizer, target_dir, weights_hash  # noqa: E402
-from export.card import write_model_card  # noqa: E402
-from export.to_vllm import export_head  # noqa: E402
-from export.verify import VerificationError, verify_export  # noqa: E402
-from train.checkpoint import read_head  # noqa: E402
+from artifacts.config import check_config, register_configs
+from artifacts.manifest import write_json_atomic
+from artifacts.prompts import held_out_prompts, stop_token_ids
+from export.card import write_model_card
+from export.to_vllm import export_head
+from export.verify import VerificationError, verify_export
+from target.model import load_config, load_tokenizer, target_dir, weights_hash
+from target.reaper import leash
+from train.checkpoint import read_head
 
 log = logging.getLogger("export")
 

@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS
-from eagle.target import DTYPES
-from eagle.vocab import load_vocab_map
+from artifacts.vocab import load_vocab_map
+from heads.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS
+from target.model import DTYPES
 from train.checkpoint import read_head
 
 
@@ -259,8 +259,8 @@ def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
     Reads only what vLLM reads (config.json and model.safetensors), so a field the writer drops or
     misnames shows up as a different head here.
     """
-    from eagle.eagle1 import Eagle1Config, Eagle1Draft
-    from eagle.eagle3 import Eagle3Config, Eagle3Draft
+    from heads.eagle1 import Eagle1Config, Eagle1Draft
+    from heads.eagle3 import Eagle3Config, Eagle3Draft
 
     kind, fields = read_export_config(export_dir)
     weights = load_file(str(export_dir / "model.safetensors"))

@@ -2,7 +2,7 @@
 
 1. Load: vLLM (the installed build: CPU here, GPU for users) starts on the target with the exported head
    and decodes greedily; a refusal is raised again with vLLM's message and the export named.
-2. Acceptance parity: the reference decoder (`eagle/reference_decoder.py`: the HF target and our trained
+2. Acceptance parity: the reference decoder (`heads/reference_decoder.py`: the HF target and our trained
    head) and vLLM decode the same prompts with the same k at temperature 0. Their acceptance counts must
    agree within `tolerance` (relative, on the mean acceptance length; absolute, on each per-position rate).
    In fp32 on the smoke target they agree exactly; a gap means a flag or convention differs between
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.acceptance import AcceptanceCounts
-from eagle.reference_decoder import inference_device, load_head, speculative_generate
+from heads.acceptance import AcceptanceCounts
+from heads.reference_decoder import inference_device, load_head, speculative_generate
 
 log = logging.getLogger("export")
 
@@ -55,7 +55,7 @@ def reference_acceptance(
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from eagle.target import DTYPES
+    from target.model import DTYPES
 
     target = (
         AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval().to(inference_device())
@@ -123,8 +123,8 @@ def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> l
 
     from safetensors.torch import load_file
 
-    from eagle.target import DTYPES
     from export.to_vllm import read_export_config
+    from target.model import DTYPES
 
     _, fields = read_export_config(export_dir)
     trained = json.loads((head_dir / "draft_config.json").read_text())["config"]
@@ -222,7 +222,7 @@ def verify_export(
 
     if not prompts:
         raise ValueError("verification needs at least one prompt")
-    from eagle.vllm_logs import vllm_log_file
+    from target.vllm_logs import vllm_log_file
 
     start = time.perf_counter()
     with vllm_log_file(export_dir.parent / "logs" / f"{export_dir.name}_verify.log") as log_path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle.config import compose
+from artifacts.config import compose
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ def rewrite_head_weights(head_dir, weights) -> None:
     """Replace a head's weights and record their checksum, as train would have (a deliberate edit)."""
     from safetensors.torch import save_file
 
-    from eagle.cache import file_sha256
+    from artifacts.cache import file_sha256
 
     save_file(weights, str(head_dir / "model.safetensors"))
     config = json.loads((head_dir / "draft_config.json").read_text())
@@ -33,7 +33,7 @@ def rewrite_head_weights(head_dir, weights) -> None:
 
 @pytest.fixture(scope="session")
 def smoke_target_dir(tmp_path_factory) -> Path:
-    from eagle.smoke import build_smoke_target
+    from artifacts.smoke import build_smoke_target
 
     return build_smoke_target(tmp_path_factory.mktemp("target") / "smoke_target")
 

@@ -9,9 +9,9 @@ from accelerate.commands.config.config_args import load_config_from_file
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from eagle.config import check_config, compose
-from eagle.manifest import read_manifest
-from eagle.target import default_aux_layer_ids
+from artifacts.config import check_config, compose
+from artifacts.manifest import read_manifest
+from target.model import default_aux_layer_ids
 from tests.conftest import REPO
 
 
@@ -26,7 +26,7 @@ def test_smoke_experiment_composes_with_explicit_layer_ids():
     cfg = compose("config", ["experiment=smoke", "run_dir=/tmp/x"])
     assert cfg.target.path == "/tmp/x/smoke_target" and cfg.target.build == "smoke"
     assert list(cfg.cache.aux_layer_ids) == [1, 3, 4]
-    assert cfg.data.source.endswith("eagle/smoke_data/conversations.jsonl")
+    assert cfg.data.source.endswith("artifacts/smoke_data/conversations.jsonl")
     OmegaConf.resolve(cfg)
 
 
@@ -145,7 +145,7 @@ def test_bad_settings_are_refused_before_any_stage_works_naming_the_key(tmp_path
 
 
 def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
-    from eagle.target import resolve_aux_layer_ids
+    from target.model import resolve_aux_layer_ids
 
     for kind in ("eagle3", "peagle"):
         with pytest.raises(

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from artifacts.cache import CacheSplit
+from artifacts.manifest import read_manifest
+from artifacts.vocab import load_vocab_map
 from data_prep.main import run
 from data_prep.render import render_conversation
-from eagle.cache import CacheSplit
-from eagle.manifest import read_manifest
-from eagle.vocab import load_vocab_map
 from tests.conftest import REPO, smoke_config
 
 AUX_IDS = [1, 3, 4]  # conf/experiment/smoke.yaml
@@ -70,7 +70,7 @@ def test_cached_states_equal_an_independent_hf_forward(smoke_run):
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     conversations = {
         json.loads(line)["id"]: json.loads(line)["conversations"]
-        for line in (REPO / "eagle/smoke_data/conversations.jsonl").open()
+        for line in (REPO / "artifacts/smoke_data/conversations.jsonl").open()
     }
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     cache = CacheSplit(smoke_run / "cache", "train")

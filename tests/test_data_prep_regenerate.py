@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from artifacts.cache import CacheSplit
+from artifacts.manifest import read_manifest
 from data_prep.main import run
-from eagle.cache import CacheSplit
-from eagle.manifest import read_manifest
 from tests.conftest import REPO, smoke_config
 
 pytest.importorskip("vllm")
@@ -26,7 +26,7 @@ def test_answers_are_the_targets_own_greedy_answers(regen_run, tmp_path):
     assert record["vllm_version"] == "0.32.0" and list(record["files"]) == ["chunk-00000-of-00001.json"]
 
     originals = {}
-    for line in (REPO / "eagle/smoke_data/conversations.jsonl").open():
+    for line in (REPO / "artifacts/smoke_data/conversations.jsonl").open():
         source = json.loads(line)
         originals[source["id"]] = [t["value"] for t in source["conversations"] if t["from"] == "human"]
     target = AutoModelForCausalLM.from_pretrained(run_dir / "smoke_target", dtype=torch.float32)

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
+from artifacts.config import DataConfig, DataSourceConfig
 from data_prep import sources
 from data_prep.sources import load_conversations
-from eagle.config import DataConfig, DataSourceConfig
 
 # Non-ASCII text makes byte offsets and character offsets differ, so the tests can tell them apart.
 UNICODE_ANSWER = "こんにちは、世界。" * 10
@@ -504,7 +504,7 @@ def test_mix_hub_entries_use_their_own_split(monkeypatch):
 def test_the_gpu_recipes_mix_reads_the_hub_datasets_in_their_published_shapes(monkeypatch):
     # The record shapes of the dataset cards: Aeala's ShareGPT (`id`, `conversations` of from/value) and
     # UltraChat-200k (`prompt`, `prompt_id`, `messages` of role/content); nothing is downloaded.
-    from eagle.config import compose
+    from artifacts.config import compose
 
     hub = {
         ("Aeala/ShareGPT_Vicuna_unfiltered", "train"): [qa("QWJhYvA_0", "hi", "hello")],

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from eagle.eagle1 import Eagle1Config, Eagle1Draft, exported_state_dict
+from heads.eagle1 import Eagle1Config, Eagle1Draft, exported_state_dict
 from train.eagle1_loss import add_feature_noise, eagle1_loss
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from eagle.eagle3 import Eagle3Config, Eagle3Draft, exported_state_dict
+from heads.eagle3 import Eagle3Config, Eagle3Draft, exported_state_dict
 
 torch.set_num_threads(1)
 
@@ -231,7 +231,7 @@ def test_rope_matches_hf_llama(rope):
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(q_BNTD, positions_BT)
     torch.testing.assert_close(cos, hf_cos, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin, hf_sin, rtol=1e-5, atol=1e-5)
-    from eagle.eagle3 import apply_rope
+    from heads.eagle3 import apply_rope
 
     torch.testing.assert_close(
         apply_rope(q_BNTD, cos, sin), apply_rotary_pos_emb(q_BNTD, q_BNTD, hf_cos, hf_sin)[0]
@@ -289,7 +289,7 @@ def test_config_from_target_and_round_trip():
     )
     assert cfg.norm_before_residual and cfg.draft_vocab_size == 24
     assert Eagle3Config.from_dict(cfg.to_dict()) == cfg
-    # A draft vocabulary at least as big as the target's means no pruning, as in eagle/vocab.py.
+    # A draft vocabulary at least as big as the target's means no pruning, as in artifacts/vocab.py.
     assert Eagle3Config.from_target_config(hf, [1], 32000).draft_vocab_size == 40
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from eagle import assets
+from artifacts import assets
 
 
 def _installed(package: str) -> bool:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle.acceptance import AcceptanceCounts
-from eagle.eagle3 import Eagle3Config, Eagle3Draft
-from eagle.reference_decoder import DraftHead, DraftState, speculative_generate
+from heads.acceptance import AcceptanceCounts
+from heads.eagle3 import Eagle3Config, Eagle3Draft
+from heads.reference_decoder import DraftHead, DraftState, speculative_generate
 from train.parallel import parallel_forward
 from train.ttt import ttt_rollout
 

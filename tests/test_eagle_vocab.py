@@ -2,7 +2,7 @@
 
 import torch
 
-from eagle.vocab import build_vocab_map, count_tokens, load_vocab_map, save_vocab_map
+from artifacts.vocab import build_vocab_map, count_tokens, load_vocab_map, save_vocab_map
 
 
 def test_counts_only_loss_masked_tokens():

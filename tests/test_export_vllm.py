@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle.prompts import stop_token_ids
-from eagle.reference_decoder import load_head
-from eagle.target import load_tokenizer
+from artifacts.prompts import stop_token_ids
 from export.main import run as export
 from export.main import verification_prompts
 from export.to_vllm import export_head, read_export
 from export.verify import VerificationError, verify_export
+from heads.reference_decoder import load_head
+from target.model import load_tokenizer
 from tests.conftest import rewrite_head_weights, smoke_config
 from train.main import run as train
 from train.parallel import parallel_forward

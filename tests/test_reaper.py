@@ -1,4 +1,4 @@
-"""eagle/reaper.py: what a stage starts does not outlive it, whether the stage exits, raises or is killed."""
+"""target/reaper.py: what a stage starts does not outlive it, whether the stage exits, raises or is killed."""
 
 import json
 import signal
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from eagle.reaper import alive, descendants, leash, start_time, stop_leftovers, write_record
+from target.reaper import alive, descendants, leash, start_time, stop_leftovers, write_record
 from tests.conftest import REPO
 
 # An owner that starts a process tree under a leash (a child, and a grandchild that the child detaches
@@ -18,7 +18,7 @@ OWNER = textwrap.dedent(
     """
     import subprocess, sys, time
     from pathlib import Path
-    from eagle.reaper import leash
+    from target.reaper import leash
     with leash(Path(sys.argv[1]), "stage", interval=0.1):
         child = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
         grandchild = int(child.stdout.readline())

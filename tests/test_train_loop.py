@@ -423,7 +423,7 @@ def test_accelerate_config_files_load(name):
 
 def test_warm_start_carries_the_lm_head_over_by_token_when_the_draft_vocab_changes(tmp_path):
     # A code head warm-started from a chat head: the two data sets keep different frequent tokens.
-    from eagle.vocab import build_vocab_map, save_vocab_map
+    from artifacts.vocab import build_vocab_map, save_vocab_map
     from train.checkpoint import HEAD_CONFIG, load_warm_start
 
     old_vocab = build_vocab_map(torch.tensor([9, 0, 8, 7, 0, 0]), 3)  # target ids 0, 2, 3
@@ -505,8 +505,8 @@ RECIPE = [
 def test_lm_head_from_the_target_frozen_and_noise_on_the_aux_states(train_run):
     """lm_head_init=target: the target's rows of the draft vocabulary (and its final norm) are where the head
     starts; freeze_lm_head keeps them through training; aux_noise changes training's loss, not eval's."""
-    from eagle.target import load_embedding_and_lm_head, load_final_norm
-    from eagle.vocab import load_vocab_map
+    from artifacts.vocab import load_vocab_map
+    from target.model import load_embedding_and_lm_head, load_final_norm
 
     overrides = ["head.lm_head_init=target", "head.freeze_lm_head=true", "head.aux_noise=0.05", *RECIPE]
     run(train_config(train_run, "train.max_steps=4", *overrides))
@@ -526,8 +526,8 @@ def test_lm_head_from_the_target_frozen_and_noise_on_the_aux_states(train_run):
 def test_aux_noise_perturbs_training_only(smoke_run):
     from transformers import AutoConfig
 
-    from eagle.cache import CacheSplit
-    from eagle.eagle3 import Eagle3Config, Eagle3Draft
+    from artifacts.cache import CacheSplit
+    from heads.eagle3 import Eagle3Config, Eagle3Draft
     from train.data import collate
     from train.main import DraftWithLoss
 
@@ -573,7 +573,7 @@ def test_warm_start_refuses_other_norm_flags_and_names_them(train_run, tmp_path)
 
 
 def test_grid_trains_each_variant_once_and_tabulates(smoke_run, tmp_path):
-    from eagle.config import compose
+    from artifacts.config import compose
     from train.grid import run as grid
 
     run_dir = tmp_path / "run"

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from artifacts.cache import CacheSplit
 from data_prep.main import run as data_prep
-from eagle.cache import CacheSplit
-from eagle.target import load_model, weights_bytes
+from target.model import load_model, weights_bytes
 from tests.conftest import REPO, smoke_config
 from tests.test_train_loop import FAST, PEAGLE, assert_same_head, step_losses, train_config
 from train.main import online_states

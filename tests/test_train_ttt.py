@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from eagle.eagle3 import Eagle3Config, Eagle3Draft
+from heads.eagle3 import Eagle3Config, Eagle3Draft
 from tests.test_eagle3_head import random_draft  # noqa: E402
 from tests.test_eagle3_head import tiny_config as head_tiny_config  # noqa: E402
 from train.ttt import (

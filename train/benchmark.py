@@ -43,17 +43,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eagle.cache import CacheSplit  # noqa: E402
-from eagle.config import compose  # noqa: E402
-from eagle.launch import make_accelerator  # noqa: E402
-from eagle.manifest import read_manifest  # noqa: E402
-from eagle.target import load_config, load_embedding_and_lm_head  # noqa: E402
-from eagle.vocab import load_vocab_map  # noqa: E402
-from train.data import collate, plan_epoch  # noqa: E402
-from train.main import DraftWithLoss, build_draft, check_cache_matches_target  # noqa: E402
-from train.ttt import teacher_probs  # noqa: E402
+from artifacts.cache import CacheSplit
+from artifacts.config import compose
+from artifacts.manifest import read_manifest
+from artifacts.vocab import load_vocab_map
+from target.launch import make_accelerator
+from target.model import load_config, load_embedding_and_lm_head
+from train.data import collate, plan_epoch
+from train.main import DraftWithLoss, build_draft, check_cache_matches_target
+from train.ttt import teacher_probs
 
 MB = 2**20
 

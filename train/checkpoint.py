@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle.cache import file_sha256
-from eagle.eagle3 import NORM_FLAGS
-from eagle.manifest import write_json_atomic
-from eagle.vocab import VocabMap, load_vocab_map
+from artifacts.cache import file_sha256
+from artifacts.manifest import write_json_atomic
+from artifacts.vocab import VocabMap, load_vocab_map
+from heads.eagle3 import NORM_FLAGS
 
 log = logging.getLogger(__name__)
 

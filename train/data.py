@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle.cache import HIDDEN_DTYPE
-from eagle.target import target_hidden_states
+from artifacts.cache import HIDDEN_DTYPE
+from target.model import target_hidden_states
 
 
 def plan_epoch(

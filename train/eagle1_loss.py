@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from eagle.eagle1 import Eagle1Draft
+from heads.eagle1 import Eagle1Draft
 from train.ttt import step_valid_mask
 
 

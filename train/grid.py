@@ -6,7 +6,7 @@ Every variant of `grid.variants` (a name and overrides of the train stage's conf
 train.*) trains `grid.max_steps` optimizer steps on <run_dir>/cache (the same cache, the same data order,
 the learning-rate schedule sized to the same budget) in <run_dir>/grid/<grid.name>/<variant>/, as a train
 stage subprocess with the command's own overrides plus the variant's. Then the reference decoder (the HF
-target plus the trained head, `eagle/reference_decoder.py`) drafts `grid.acceptance_prompts` held-out
+target plus the trained head, `heads/reference_decoder.py`) drafts `grid.acceptance_prompts` held-out
 prompts with k = `grid.num_speculative_tokens`, the acceptance vLLM serves (export verification proves the
 two equal). Results: <grid dir>/results.md (the table), results.json, and the held-out curves
 (acceptance_k<k>.png, acc_0.png; train/curves.py).
@@ -30,11 +30,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/grid.py` from anywhere
-
-from eagle.config import check_config, register_configs  # noqa: E402
-from eagle.manifest import write_json_atomic  # noqa: E402
-from train.curves import plot, read_curve  # noqa: E402
+from artifacts.config import check_config, register_configs
+from artifacts.manifest import write_json_atomic
+from train.curves import plot, read_curve
 
 log = logging.getLogger("grid")
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "main.py"
@@ -50,7 +48,7 @@ def variant_overrides(cfg, own_overrides: list[str], name: str, variant_dir: Pat
             f"grid.variants.{name}: {bad} - a variant changes head.*, optim.* or train.* only (all variants "
             "train on the same cache)"
         )
-    from eagle.target import target_dir
+    from target.model import target_dir
 
     passed = [o for o in own_overrides if o.lstrip("+~").split("=")[0].split(".")[0] not in GRID_KEYS]
     return [
@@ -100,9 +98,9 @@ def train_variant(variant_dir: Path, overrides: list[str]) -> None:
 
 def held_out_acceptance(cfg, head_dir: Path) -> dict:
     """The reference decoder's acceptance on the cache's held-out prompts (what vLLM serves the head at)."""
-    from eagle.prompts import held_out_prompts, stop_token_ids
-    from eagle.target import load_tokenizer, target_dir
+    from artifacts.prompts import held_out_prompts, stop_token_ids
     from export.verify import reference_acceptance
+    from target.model import load_tokenizer, target_dir
 
     tokenizer = load_tokenizer(cfg.target)
     prompts = held_out_prompts(Path(cfg.run_dir) / "cache", tokenizer, cfg.grid.acceptance_prompts)

@@ -9,8 +9,8 @@ Reads <run_dir>/cache (data_prep), with the target's hidden states in it (train.
 computed by the frozen target in each training step (train.features=online, for a cache made with
 cache.hidden_states=false); writes checkpoints to <run_dir>/ckpt, held-out metrics to
 <run_dir>/train_eval.jsonl and the final head to <run_dir>/draft_head (what export reads).
-The TTT math is in train/ttt.py, parallel drafting's in train/parallel.py; the heads in eagle/eagle3.py
-(EAGLE-3 and P-EAGLE) and eagle/eagle1.py; this file is the loop around them.
+The TTT math is in train/ttt.py, parallel drafting's in train/parallel.py; the heads in heads/eagle3.py
+(EAGLE-3 and P-EAGLE) and heads/eagle1.py; this file is the loop around them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,15 +30,14 @@ from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python train/main.py` from anywhere
-
-from eagle.cache import CacheSplit  # noqa: E402
-from eagle.config import check_config, register_configs  # noqa: E402
-from eagle.eagle1 import Eagle1Config, Eagle1Draft  # noqa: E402
-from eagle.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS, Eagle3Config, Eagle3Draft  # noqa: E402
-from eagle.launch import make_accelerator, setup_logging  # noqa: E402
-from eagle.manifest import read_manifest  # noqa: E402
-from eagle.target import (  # noqa: E402
+from artifacts.cache import CacheSplit
+from artifacts.config import check_config, register_configs
+from artifacts.manifest import read_manifest
+from artifacts.vocab import load_vocab_map
+from heads.eagle1 import Eagle1Config, Eagle1Draft
+from heads.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS, Eagle3Config, Eagle3Draft
+from target.launch import make_accelerator, setup_logging
+from target.model import (
     load_config,
     load_embedding_and_lm_head,
     load_final_norm,
@@ -48,8 +46,7 @@ from eagle.target import (  # noqa: E402
     weights_bytes,
     weights_hash,
 )
-from eagle.vocab import load_vocab_map  # noqa: E402
-from train.checkpoint import (  # noqa: E402
+from train.checkpoint import (
     changed_settings,
     checkpoint_dirs,
     load_checkpoint,
@@ -58,10 +55,10 @@ from train.checkpoint import (  # noqa: E402
     save_head,
     trajectory_settings,
 )
-from train.data import OnlineStates, collate, plan_epoch  # noqa: E402
-from train.eagle1_loss import eagle1_loss  # noqa: E402
-from train.parallel import parallel_loss  # noqa: E402
-from train.ttt import conditional_accuracies, expected_acceptance_length, ttt_loss  # noqa: E402
+from train.data import OnlineStates, collate, plan_epoch
+from train.eagle1_loss import eagle1_loss
+from train.parallel import parallel_loss
+from train.ttt import conditional_accuracies, expected_acceptance_length, ttt_loss
 
 log = logging.getLogger("train")
 
@@ -89,13 +86,13 @@ class DraftWithLoss(torch.nn.Module):
             batch = {**batch, "aux_hidden": aux + noise}
         if self.kind == "peagle":
             return parallel_loss(
-                self.draft, batch, self.num_steps, self.head_cfg.ttt_gamma, self.target_lm_head,
+                self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
                 self.draft_to_target, self.chunk_size, denominator,
                 cod_ratio=self.head_cfg.cod_ratio if self.training else 1.0,
             )  # fmt: skip
         if self.kind == "eagle3":
             return ttt_loss(
-                self.draft, batch, self.num_steps, self.head_cfg.ttt_gamma, self.target_lm_head,
+                self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
                 self.draft_to_target, self.chunk_size, denominator,
             )  # fmt: skip
         total, metrics = eagle1_loss(
@@ -115,7 +112,7 @@ class DraftWithLoss(torch.nn.Module):
 
 def num_loss_steps(cfg) -> int:
     """Drafting depths the objective trains and reports: K for EAGLE-3 and P-EAGLE, one for EAGLE-1."""
-    return 1 if cfg.head.kind == "eagle1" else cfg.head.num_ttt_steps
+    return {"eagle1": 1, "peagle": cfg.head.num_depths}.get(cfg.head.kind, cfg.head.num_ttt_steps)
 
 
 def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None:
@@ -603,9 +600,7 @@ def fit(
                 (
                     step_metrics[0]
                     / step_metrics[1].clamp(min=1)
-                    * torch.tensor(
-                        [cfg.head.ttt_gamma**k for k in range(num_ttt)], device=step_metrics.device
-                    )
+                    * torch.tensor([cfg.head.gamma**k for k in range(num_ttt)], device=step_metrics.device)
                 ).sum()
             )
             if not math.isfinite(total_loss) or not math.isfinite(float(grad_norm)):

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from eagle.eagle3 import Eagle3Draft
+from heads.eagle3 import Eagle3Draft
 from train.ttt import batch_teacher, depth_losses, shift_left, ttt_attention
 
 

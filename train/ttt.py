@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from eagle.eagle3 import Eagle3Draft
+from heads.eagle3 import Eagle3Draft
 
 
 def ttt_attention(

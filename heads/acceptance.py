@@ -2,7 +2,7 @@
 
 The counts are vLLM's, per verify step: one draft (a chain of k proposed tokens), k draft tokens, `a`
 accepted tokens (the target's bonus token excluded) and +1 at every position i < a. The reference decoder
-(`eagle/reference_decoder.py`) and vLLM's counters (`llm.get_metrics()`, a server's `/metrics`) fill the
+(`heads/reference_decoder.py`) and vLLM's counters (`llm.get_metrics()`, a server's `/metrics`) fill the
 same structure, so the two are compared field by field.
 
 Two acceptance numbers describe one phenomenon; their names here are unambiguous:

@@ -43,7 +43,7 @@ def record_messages(record) -> list[dict]:
     """A workload record as `[{"role", "content"}]`: `{"prompt": "..."}` (one user turn), OpenAI
     `{"messages": [{"role", "content"}]}` or ShareGPT `{"conversations": [{"from", "value"}]}`, content a
     string or text parts. Raises ValueError saying what is wrong with the record."""
-    from eagle.config import DEFAULT_ROLE_MAP
+    from artifacts.config import DEFAULT_ROLE_MAP
 
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {type(record).__name__}, not an object")

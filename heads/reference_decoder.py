@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
-from eagle.acceptance import AcceptanceCounts
-from eagle.eagle1 import Eagle1Config, Eagle1Draft
-from eagle.eagle3 import EXCLUDED_FROM_EXPORT, Eagle3Config, Eagle3Draft
-from eagle.target import DTYPES, capture_aux_states
-from eagle.vocab import load_vocab_map
+from artifacts.vocab import load_vocab_map
+from heads.acceptance import AcceptanceCounts
+from heads.eagle1 import Eagle1Config, Eagle1Draft
+from heads.eagle3 import EXCLUDED_FROM_EXPORT, Eagle3Config, Eagle3Draft
+from target.model import DTYPES, capture_aux_states
 
 
 @dataclass

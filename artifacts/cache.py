@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from eagle.manifest import read_manifest, write_json_atomic
+from artifacts.manifest import read_manifest, write_json_atomic
 
 SHARD_FORMAT = "eagle-hidden-cache-v1"
 HIDDEN_DTYPE = torch.bfloat16

@@ -15,7 +15,7 @@ dies - an exception, Ctrl-C, or SIGKILL, which no code in the dying process can 
 
 Linux only (/proc); elsewhere the leash does nothing but say so.
 
-    python -m eagle.reaper OWNER_PID OWNER_START RECORD [INTERVAL]   (started by `leash`, not by hand)
+    python -m target.reaper OWNER_PID OWNER_START RECORD [INTERVAL]   (started by `leash`, not by hand)
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def leash(run_dir: Path, name: str, interval: float = 0.5):
     owner, owner_start = os.getpid(), start_time(os.getpid())
     write_record(record, owner, owner_start, [])
     reaper = subprocess.Popen(
-        [sys.executable, "-m", "eagle.reaper", str(owner), str(owner_start), str(record), str(interval)],
+        [sys.executable, "-m", "target.reaper", str(owner), str(owner_start), str(record), str(interval)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

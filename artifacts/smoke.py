@@ -4,7 +4,7 @@ It is the project's debug model (`experiment=smoke`): every stage runs on it in 
 download. The build is deterministic (same seed, same files), so caches and heads made from it in
 different runs or processes agree.
 
-    python -m eagle.smoke /tmp/smoke_target
+    python -m artifacts.smoke /tmp/smoke_target
 """
 
 from __future__ import annotations
@@ -115,5 +115,5 @@ def build_smoke_target(out_dir: str | Path, seed: int = 0) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m eagle.smoke OUT_DIR")
+        sys.exit("usage: python -m artifacts.smoke OUT_DIR")
     print(build_smoke_target(sys.argv[1]))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from eagle.eagle3 import (
+from heads.eagle3 import (
     EXCLUDED_FROM_EXPORT,
     RMSNorm,
     SwiGLU,
