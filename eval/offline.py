@@ -10,21 +10,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from export.to_vllm import read_export, read_export_config
+from export.to_vllm import read_export
 from heads.acceptance import AcceptanceCounts
-from heads.reference_decoder import DraftHead, inference_device, speculative_generate
+from heads.reference_decoder import DraftHead, inference_device, on_target, speculative_generate
 
 NO_LATENCY = {"mean": None, "p50": None, "p90": None, "p99": None}
 
 
 def load_export_head(export_dir: Path, target) -> DraftHead:
     """An export (any format) as the reference decoder's head: exactly the weights vLLM would serve."""
-    kind, fields = read_export_config(export_dir)
     draft, draft_to_target = read_export(export_dir, target.get_input_embeddings().weight.detach().cpu())
-    draft.to(target.device)
-    if kind in ("eagle3", "peagle"):
-        return DraftHead("eagle3", draft, list(fields["aux_layer_ids"]), draft_to_target, None)
-    return DraftHead(kind, draft, [], None, target.get_output_embeddings().weight.detach().float())
+    return on_target(draft, target, draft_to_target)
 
 
 def offline_runs(

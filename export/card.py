@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eval.server import printable_serve_command
 from export.to_vllm import speculative_config
+from heads.head_file import read_record
+from target.vllm import printable_serve_command, served_settings
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
@@ -109,7 +110,7 @@ def write_model_card(
     card = model_card(
         str(Path(export_dir).resolve()),
         dict(serve_args or {}),
-        json.loads((head_dir / "draft_config.json").read_text()),
+        read_record(head_dir).to_json(),
         export_config,
         "speculators" if "speculators_model_type" in export_config else "plain",
         export_config.get("torch_dtype", "?"),
@@ -156,7 +157,7 @@ def model_card(
         "same arguments):",
         "",
         "```bash",
-        printable_serve_command(target_path, speculative, serve_args),
+        printable_serve_command(served_settings(target_path, speculative, serve_args)),
         "```",
         "",
         "## Head",

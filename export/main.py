@@ -26,16 +26,16 @@ from artifacts.prompts import held_out_prompts, stop_token_ids
 from export.card import write_model_card
 from export.to_vllm import export_head
 from export.verify import VerificationError, verify_export
+from heads.head_file import HeadRecord, read_head
 from target.model import load_config, load_tokenizer, target_dir, weights_hash
 from target.reaper import leash
-from train.checkpoint import read_head
 
 log = logging.getLogger("export")
 
 
-def verification_prompts(cfg, tokenizer, head_config: dict, run_dir: Path) -> list[list[int]]:
+def verification_prompts(cfg, tokenizer, record: HeadRecord, run_dir: Path) -> list[list[int]]:
     """The first user turns of the cache's held-out conversations, chat-templated for the target."""
-    cache_dir = Path(head_config.get("cache", {}).get("path") or run_dir / "cache")
+    cache_dir = Path(record.cache.get("path") or run_dir / "cache")
     return held_out_prompts(cache_dir, tokenizer, cfg.export.verify_num_prompts)
 
 
@@ -47,10 +47,10 @@ def run(cfg: DictConfig) -> dict:
     head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
     out_dir = Path(cfg.export.out_dir or run_dir / "export")
     # Checksums, finite and sane weights: a corrupt head is not exported (export_head reuses what is read).
-    head = head_config, _ = read_head(head_dir)
+    head = record, _ = read_head(head_dir)
     target_path = target_dir(cfg.target)
     target_config = load_config(cfg.target)
-    recorded = head_config["target"].get("hash")
+    recorded = record.target.get("hash")
     if recorded and recorded != weights_hash(target_path):
         log.warning(
             "%s was trained on other target weights (sha256 %s...) than %s: exporting anyway (same shapes)",
@@ -68,20 +68,20 @@ def run(cfg: DictConfig) -> dict:
         cfg.export.num_speculative_tokens,
         head,
     )
-    fmt = "plain" if head_config["kind"] == "eagle1" else cfg.export.format
-    log.info("exported %s (%s, %s format, %s)", out_dir, head_config["kind"], fmt, cfg.export.dtype)
+    fmt = "plain" if record.kind == "eagle1" else cfg.export.format
+    log.info("exported %s (%s, %s format, %s)", out_dir, record.kind, fmt, cfg.export.dtype)
 
     verification, failure = None, None
     if cfg.export.verify:
         tokenizer = load_tokenizer(cfg.target)
-        prompts = verification_prompts(cfg, tokenizer, head_config, run_dir)
+        prompts = verification_prompts(cfg, tokenizer, record, run_dir)
         try:
             with leash(run_dir, "export"):  # vLLM's engine never outlives this process, however it dies
                 verification = verify_export(
                     target_path,
                     head_dir,
                     out_dir,
-                    head_config["kind"],
+                    record.kind,
                     prompts,
                     stop_token_ids(tokenizer, target_path),
                     cfg.export.num_speculative_tokens,

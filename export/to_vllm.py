@@ -1,4 +1,4 @@
-"""Write a trained head in the formats vLLM 0.32 loads as they are (DESIGN.md section 5).
+"""Write a trained head in the formats vLLM 0.32 loads as they are (docs/design.md#what-vllm-loads).
 
 Both EAGLE-3 formats share the weights file: flat tensor names (`fc`, `layers.0.*`, `norm`, `lm_head`),
 `d2t` only when the draft vocabulary is pruned, no `fc.bias`, no embedding (vLLM shares the target's).
@@ -11,11 +11,12 @@ Both EAGLE-3 formats share the weights file: flat tensor names (`fc`, `layers.0.
   only `norm_before_residual` and `norm_before_fc`, leaving `fc_norm` and `norm_output` to the layer config
   (`vllm/transformers_utils/configs/speculators/algos.py`); a flag in the wrong place loads and is ignored.
   The norms' weights: `input_norm.weight` [A*H] (norm_before_fc), `fc_norm.{i}.weight` [H] (fc_norm).
-P-EAGLE (parallel drafting, DESIGN.md section 8) is an EAGLE-3 export plus `mask_hidden` [1, A*H] and the
-mask token: plain = the EAGLE-3 plain config with `mask_token_id` (served with `parallel_drafting: true` in
-the speculative config); speculators = `speculators_model_type: peagle` with `mask_token_id`, which vLLM maps
-to `PeagleLlamaForCausalLM` with parallel drafting on. Both may hold several decoder layers; vLLM builds a
-`hidden_norm` in every layer and loads each, so layers after the first ship an unused all-ones one.
+P-EAGLE (parallel drafting, docs/design.md#p-eagle) is an EAGLE-3 export plus `mask_hidden` [1, A*H] and
+the mask token: plain = the EAGLE-3 plain config with `mask_token_id` (served with `parallel_drafting: true`
+in the speculative config); speculators = `speculators_model_type: peagle` with `mask_token_id`, which vLLM
+maps to `PeagleLlamaForCausalLM` with parallel drafting on. Both may hold several decoder layers; vLLM
+builds a `hidden_norm` in every layer and loads each, so layers after the first ship an unused all-ones
+one.
 EAGLE-1 is a plain one-layer Llama config (`architectures: [LlamaForCausalLM]`; vLLM's `method: eagle` maps
 it to its EAGLE Llama) with `fc` and `layers.0.*` minus `input_layernorm`, and no `norm` or `lm_head`: any
 of the three is a load error.
@@ -36,9 +37,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from artifacts.vocab import load_vocab_map
-from heads.eagle3 import EXCLUDED_FROM_EXPORT, NORM_FLAGS
+from heads.eagle3 import NORM_FLAGS
+from heads.head_file import HeadRecord, read_head
+from heads.kinds import head_kind, load_weights
 from target.model import DTYPES
-from train.checkpoint import read_head
 
 
 def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
@@ -122,15 +124,12 @@ def eagle3_speculators_config(
     }
 
 
-FORMATS = {"eagle3": ("speculators", "plain"), "peagle": ("speculators", "plain"), "eagle1": ("plain",)}
-METHODS = {"eagle3": "eagle3", "peagle": "eagle3", "eagle1": "eagle"}  # head kind -> vLLM's method
-
-
 def speculative_config(kind: str, model: str, num_speculative_tokens: int) -> dict:
     """vLLM's `--speculative-config` for an export of `kind`: P-EAGLE is method eagle3 with parallel drafting
     (explicit, so the plain format serves it too; the speculators `peagle` format turns it on by itself)."""
-    config = {"method": METHODS[kind], "model": model, "num_speculative_tokens": num_speculative_tokens}
-    return config | ({"parallel_drafting": True} if kind == "peagle" else {})
+    method = head_kind(kind).vllm_method
+    config = {"method": method, "model": model, "num_speculative_tokens": num_speculative_tokens}
+    return config | ({"parallel_drafting": True} if head_kind(kind).drafting == "parallel" else {})
 
 
 def export_head(
@@ -141,22 +140,20 @@ def export_head(
     fmt: str = "speculators",
     target_path: str = "",
     num_speculative_tokens: int = 3,
-    head: tuple[dict, dict] | None = None,
+    head: tuple[HeadRecord, dict] | None = None,
 ) -> Path:
     """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically.
 
     EAGLE-3 heads go to `fmt` (speculators or plain); EAGLE-1 heads have one format, plain Llama.
-    `head`: the directory's (config, weights) as `read_head` returned them, when the caller has read them.
+    `head`: the directory's (record, weights) as `read_head` returned them, when the caller has read them.
     """
     # Checksums, finite and sane weights: a corrupt head is refused here, whoever exports it.
-    head_config, head_weights = head or read_head(head_dir)
-    kind, c = head_config["kind"], head_config["config"]
-    if kind not in FORMATS:
-        raise ValueError(f"{head_dir}/draft_config.json: unknown head kind {kind!r}")
-    if kind == "eagle1":
-        fmt = "plain"
-    if fmt not in FORMATS[kind]:
-        raise ValueError(f"format={fmt!r}: an {kind} head exports to {' or '.join(FORMATS[kind])}")
+    record, head_weights = head or read_head(head_dir)
+    kind, c = head_kind(record.kind), record.config.to_dict()
+    if len(kind.export_formats) == 1:
+        fmt = kind.export_formats[0]
+    if fmt not in kind.export_formats:
+        raise ValueError(f"format={fmt!r}: an {kind.name} head exports to {' or '.join(kind.export_formats)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     check_head_fits_target(head_dir, c, target_config)
@@ -164,7 +161,7 @@ def export_head(
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
     for i in range(1, c.get("num_hidden_layers", 1)):  # vLLM loads a (here unused) hidden_norm per layer
         weights[f"layers.{i}.hidden_norm.weight"] = torch.ones(c["hidden_size"], dtype=DTYPES[dtype])
-    if kind in ("eagle3", "peagle"):
+    if kind.speculators_type is not None:  # EAGLE-3 and P-EAGLE: their own lm_head over the draft vocab
         vocab = load_vocab_map(head_dir / "vocab.safetensors")
         if vocab.d2t is not None:  # only when pruned: vLLM refuses a d2t it does not need
             weights["d2t"] = vocab.d2t.to(torch.int64)
@@ -259,19 +256,13 @@ def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
     Reads only what vLLM reads (config.json and model.safetensors), so a field the writer drops or
     misnames shows up as a different head here.
     """
-    from heads.eagle1 import Eagle1Config, Eagle1Draft
-    from heads.eagle3 import Eagle3Config, Eagle3Draft
-
     kind, fields = read_export_config(export_dir)
     weights = load_file(str(export_dir / "model.safetensors"))
     d2t = weights.pop("d2t", None)
     for i in range(1, fields.get("num_hidden_layers", 1)):
         weights.pop(f"layers.{i}.hidden_norm.weight", None)  # vLLM's unused one
-    draft = Eagle1Draft(Eagle1Config(**fields)) if kind == "eagle1" else Eagle3Draft(Eagle3Config(**fields))
-    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-    missing = [k for k in missing if k not in EXCLUDED_FROM_EXPORT]
-    if missing or unexpected:
-        raise ValueError(f"{export_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
+    draft = head_kind(kind).build(fields)
+    load_weights(draft, {k: v.float() for k, v in weights.items()}, export_dir / "model.safetensors")
     draft.load_target_embedding(target_embedding_VH.float())
     draft_to_target = None if d2t is None else torch.arange(len(d2t)) + d2t
     return draft.float().eval(), draft_to_target

@@ -7,7 +7,7 @@
    agree within `tolerance` (relative, on the mean acceptance length; absolute, on each per-position rate).
    In fp32 on the smoke target they agree exactly; a gap means a flag or convention differs between
    training and serving (layer ids, norm placement, RoPE, vocabulary mapping) - the failure that loads
-   without error and silently lowers acceptance (DESIGN.md section 5).
+   without error and silently lowers acceptance (docs/design.md#what-vllm-loads).
 
 3. Export identity: the export read back (config fields and tensors) must equal the trained head rounded to
    the export's dtype. Acceptance alone cannot see a field the head barely depends on: measured on the smoke
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from heads.acceptance import AcceptanceCounts
-from heads.reference_decoder import inference_device, load_head, speculative_generate
+from heads.reference_decoder import reference_acceptance
 
 log = logging.getLogger("export")
 
@@ -39,36 +39,6 @@ class VerificationError(RuntimeError):
     def __init__(self, message: str, report: dict | None = None):
         super().__init__(message)
         self.report = report
-
-
-def reference_acceptance(
-    target_dir: Path,
-    head_dir: Path,
-    prompts: list[list[int]],
-    num_draft_tokens: int,
-    max_new_tokens: int,
-    stop_ids: list[int],
-    dtype: str = "float32",
-    weight_dtype: str = "float32",
-) -> tuple[list[list[int]], AcceptanceCounts]:
-    """Outputs and summed counts of the reference decoder (the HF target plus our head) on `prompts`."""
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from target.model import DTYPES
-
-    target = (
-        AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval().to(inference_device())
-    )
-    head = load_head(head_dir, target, weight_dtype)
-    outputs, total = [], AcceptanceCounts()
-    for prompt in tqdm(prompts, desc="reference decoder", unit="prompt"):
-        output, counts = speculative_generate(
-            target, head, prompt, num_draft_tokens, max_new_tokens, stop_ids
-        )
-        outputs.append(output)
-        total = total + counts
-    return outputs, total
 
 
 def vllm_acceptance(
@@ -86,18 +56,15 @@ def vllm_acceptance(
     import vllm
 
     from export.to_vllm import speculative_config as make_speculative_config
+    from target.vllm import EngineSettings, llm_kwargs
 
     speculative_config = make_speculative_config(kind, str(export_dir), num_draft_tokens)
+    # log_stats (the default): the acceptance counters, which vLLM's offline engine turns off unless told.
+    settings = EngineSettings(
+        str(target_dir), speculative_config, dict(vllm_kwargs or {}), "export.vllm_kwargs", dtype=dtype
+    )
     try:
-        llm = vllm.LLM(
-            **{
-                **(vllm_kwargs or {}),
-                "model": str(target_dir),
-                "dtype": dtype,
-                "speculative_config": speculative_config,
-                "disable_log_stats": False,  # the acceptance counters
-            }
-        )
+        llm = vllm.LLM(**llm_kwargs(settings))
     except Exception as error:
         raise VerificationError(
             f"vLLM {vllm.__version__} refused the export {export_dir} (speculative_config="
@@ -119,15 +86,14 @@ def vllm_acceptance(
 
 def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> list[str]:
     """Where the export, read as vLLM reads it, differs from the trained head (empty when it does not)."""
-    import json
-
     from safetensors.torch import load_file
 
     from export.to_vllm import read_export_config
+    from heads.head_file import read_record
     from target.model import DTYPES
 
     _, fields = read_export_config(export_dir)
-    trained = json.loads((head_dir / "draft_config.json").read_text())["config"]
+    trained = read_record(head_dir).config.to_dict()
     # The export raises max_position_embeddings to the target's on purpose.
     differences = [
         f"{k}: export {fields[k]!r}, trained {trained[k]!r}"
@@ -161,9 +127,9 @@ COLLAPSE_SHARE = 0.25  # served gain below this share of train's promised gain: 
 def train_estimate(head_dir: Path, k: int) -> float | None:
     """Train's held-out expected acceptance length at k drafts (its largest depth if fewer); None when
     the head was trained without a held-out split."""
-    import json
+    from heads.head_file import read_record
 
-    held_out = json.loads((head_dir / "draft_config.json").read_text()).get("training", {}).get("held_out")
+    held_out = read_record(head_dir).held_out
     if not held_out:
         return None
     depths = sorted(int(key.rsplit("k", 1)[1]) for key in held_out if key.startswith("eval/accept_len_k"))

@@ -1,4 +1,5 @@
-"""Speculative-decoding acceptance counts and the metrics derived from them (DESIGN.md section 6).
+"""Speculative-decoding acceptance counts and the metrics derived from them
+(docs/design.md#acceptance-metrics-and-economics).
 
 The counts are vLLM's, per verify step: one draft (a chain of k proposed tokens), k draft tokens, `a`
 accepted tokens (the target's bonus token excluded) and +1 at every position i < a. The reference decoder
@@ -13,7 +14,11 @@ Two acceptance numbers describe one phenomenon; their names here are unambiguous
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
 
 VLLM_PREFIX = "vllm:spec_decode_"
 
@@ -106,3 +111,23 @@ class AcceptanceCounts:
             int(by_name[f"{VLLM_PREFIX}num_accepted_tokens"].value),
             [int(v) for v in by_name[f"{VLLM_PREFIX}num_accepted_tokens_per_pos"].values],
         )
+
+
+# The offline estimate from a head's per-depth accuracies (train's held-out eval): 1 + acc_0 + acc_0*acc_1' + ...
+def chain_counts(correct_KBT: Tensor, eligible_KBT: Tensor) -> tuple[Tensor, Tensor]:
+    """(hits_K, totals_K): at depth j, positions whose depths < j were all right and that are eligible at j
+    (totals), and of those, the ones right at j (hits). Counts, so they sum over batches and ranks."""
+    correct_KBT = correct_KBT & eligible_KBT
+    all_before_KBT = torch.cat([torch.ones_like(correct_KBT[:1]), correct_KBT[:-1].cumprod(0)]).bool()
+    reached_KBT = all_before_KBT & eligible_KBT
+    return (reached_KBT & correct_KBT).sum((1, 2)), reached_KBT.sum((1, 2))
+
+
+def conditional_accuracies(hits_K: Tensor, totals_K: Tensor) -> list[float]:
+    """acc_j' = accuracy at depth j given depths < j were right (0 where no chain reached depth j)."""
+    return [float(h) / float(n) if n else 0.0 for h, n in zip(hits_K.tolist(), totals_K.tolist())]
+
+
+def expected_acceptance_length(cond_accs: list[float]) -> float:
+    """1 + acc_0 + acc_0*acc_1' + ...: tokens per verify step (bonus token included) for a chain of drafts."""
+    return 1.0 + sum(math.prod(cond_accs[: j + 1]) for j in range(len(cond_accs)))

@@ -1,6 +1,6 @@
 """A reference speculative decoder in plain PyTorch: the HF target, our draft head, a chain of k greedy
 drafts and greedy verification - what vLLM 0.32 runs for EAGLE and EAGLE-3 (one chain, no trees), written
-to be read rather than to be fast (batch of one, explicit key/value lists).
+to be read rather than to be fast (batch of one, a key/value cache kept per layer).
 
 Two uses: `export/main.py export.verify=true` compares its acceptance with vLLM's counters on the same
 prompts (a flag or convention that differs between training and serving shows up as a gap), and eval's
@@ -10,6 +10,9 @@ quick offline estimate when vLLM is not wanted.
     head = load_head(run_dir / "draft_head", target)
     output_ids, counts = speculative_generate(target, head, prompt_ids, num_draft_tokens=3, max_new_tokens=64)
     counts.mean_acceptance_length, counts.per_position
+
+The head is driven through its own `forward` with a `heads.attention.KVCache`, one call per draft step
+(gpt-fast's loop): a head kind brings its forward, `target_hidden`, `carry` and `logits`, nothing else.
 
 One request, in vLLM's order so that the counts equal its counters:
 1. prefill: the target reads the prompt; its greedy token is the first output token (no draft yet);
@@ -31,34 +34,27 @@ G key/value heads, D head dim, V target vocab, Vd draft vocab.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor
 
 from artifacts.vocab import load_vocab_map
 from heads.acceptance import AcceptanceCounts
-from heads.eagle1 import Eagle1Config, Eagle1Draft
-from heads.eagle3 import EXCLUDED_FROM_EXPORT, Eagle3Config, Eagle3Draft
+from heads.attention import KVCache
+from heads.head_file import load_draft
+from heads.layers import DraftModel
 from target.model import DTYPES, capture_aux_states
 
 
 @dataclass
 class DraftHead:
-    kind: str  # eagle3 (P-EAGLE heads included: an EAGLE-3 architecture) | eagle1
-    draft: Eagle3Draft | Eagle1Draft
-    aux_layer_ids: list[int]  # EAGLE-3: the target layers feeding `fc`; EAGLE-1: none (final state)
-    draft_to_target: Tensor | None  # EAGLE-3: [Vd] target id of each draft token
-    lm_head_VH: Tensor | None  # EAGLE-1: the target's lm_head, which decodes the predicted features
+    """A head ready to draft for a target: its model (on the target's embedding, and for EAGLE-1 its
+    lm_head) and the map from its output vocabulary to target token ids (None: the same ids)."""
 
-    @property
-    def parallel(self) -> bool:
-        """True for a P-EAGLE head: one pass drafts the whole chain."""
-        return self.kind == "eagle3" and self.draft.config.parallel_drafting
+    draft: DraftModel
+    draft_to_target: Tensor | None = None  # [Vd] target id of each draft token
 
 
 def inference_device() -> str:
@@ -66,35 +62,26 @@ def inference_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def on_target(draft: DraftModel, target, draft_to_target: Tensor | None) -> DraftHead:
+    """`draft` in fp32 for inference on `target`'s device, with the target's embedding (and lm_head)."""
+    draft.load_target_embedding(target.get_input_embeddings().weight.detach().float())
+    if hasattr(draft, "load_target_lm_head"):
+        draft.load_target_lm_head(target.get_output_embeddings().weight.detach().float())
+    draft.float().eval().requires_grad_(False).to(
+        target.device
+    )  # the target's device (GPU when there is one)
+    return DraftHead(draft, None if draft_to_target is None else draft_to_target.to(target.device))
+
+
 def load_head(head_dir: Path, target, weight_dtype: str = "float32") -> DraftHead:
-    """A trained head (`draft_head/` from train) on the target's embedding, in fp32 for inference.
+    """A trained head (`draft_head/` from train) on the target, in fp32 for inference.
 
     `weight_dtype` rounds the weights through that dtype first, as an export in it would store them: the
     reference then computes with exactly the values vLLM loads from a bf16 export.
     """
-    head_dir = Path(head_dir)
-    head_config = json.loads((head_dir / "draft_config.json").read_text())
-    kind = {"peagle": "eagle3"}.get(head_config["kind"], head_config["kind"])
-    if kind == "eagle3":
-        draft = Eagle3Draft(Eagle3Config.from_dict(head_config["config"]))
-    elif kind == "eagle1":
-        draft = Eagle1Draft(Eagle1Config.from_dict(head_config["config"]))
-    else:
-        raise ValueError(f"{head_dir}/draft_config.json: unknown head kind {kind!r}")
-    weights = load_file(str(head_dir / "model.safetensors"))
-    weights = {k: v.to(DTYPES[weight_dtype]).float() for k, v in weights.items()}
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if k not in EXCLUDED_FROM_EXPORT]
-    if missing or unexpected:
-        raise ValueError(f"{head_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
-    draft.load_target_embedding(target.get_input_embeddings().weight.detach().float())
-    draft.float().eval().requires_grad_(False).to(
-        target.device
-    )  # the target's device (GPU when there is one)
-    if kind == "eagle3":
-        vocab = load_vocab_map(head_dir / "vocab.safetensors")
-        return DraftHead(kind, draft, list(draft.config.aux_layer_ids), vocab.draft_to_target, None)
-    return DraftHead(kind, draft, [], None, target.get_output_embeddings().weight.detach().float())
+    _, draft = load_draft(head_dir, DTYPES[weight_dtype])
+    vocab = load_vocab_map(Path(head_dir) / "vocab.safetensors") if draft.features == "aux" else None
+    return on_target(draft, target, vocab.draft_to_target if vocab else None)
 
 
 def target_forward(target, head: DraftHead, ids: list[int], cache, start: int) -> tuple[Tensor, Tensor]:
@@ -102,90 +89,56 @@ def target_forward(target, head: DraftHead, ids: list[int], cache, start: int) -
     of those positions (EAGLE-3 aux [1, T, A, H], EAGLE-1 final post-norm [1, T, H]) and logits [T, V]."""
     input_ids_BT = torch.tensor([ids], device=target.device)
     positions_BT = torch.arange(start, start + len(ids), device=target.device)[None]
-    with capture_aux_states(target, head.aux_layer_ids) as captured:
+    layer_ids = head.draft.target_layer_ids
+    with capture_aux_states(target, layer_ids) as captured:
         final_BTH = target.model(
             input_ids=input_ids_BT, position_ids=positions_BT, past_key_values=cache, use_cache=True
         ).last_hidden_state
     logits_TV = target.lm_head(final_BTH)[0].float()
-    if head.kind == "eagle3":
-        return torch.stack([captured[i] for i in head.aux_layer_ids], dim=2).float(), logits_TV
+    if head.draft.features == "aux":
+        return torch.stack([captured[i] for i in layer_ids], dim=2).float(), logits_TV
     return final_BTH.float(), logits_TV
 
 
-def attend(q_BNTD: Tensor, k_BGSD: Tensor, v_BGSD: Tensor) -> Tensor:
-    """The T queries are the last T of the S key positions: each sees the keys up to its own."""
-    t, s = q_BNTD.shape[2], k_BGSD.shape[2]
-    mask_TS = torch.ones(t, s, dtype=torch.bool, device=q_BNTD.device).tril(s - t)
-    repeats = q_BNTD.shape[1] // k_BGSD.shape[1]
-    k_BNSD = k_BGSD.repeat_interleave(repeats, dim=1)
-    v_BNSD = v_BGSD.repeat_interleave(repeats, dim=1)
-    return F.scaled_dot_product_attention(q_BNTD, k_BNSD, v_BNSD, attn_mask=mask_TS)
-
-
 class DraftState:
-    """The head's keys/values (one (k, v) pair per decoder layer) of positions 0..length-1, computed from
-    the target's features only."""
+    """The head's key/value cache of positions 0..length-1, computed from the target's features only."""
 
     def __init__(self, head: DraftHead):
         self.head = head
-        self.kv: list[tuple[Tensor, Tensor]] | None = None
-        self.length = 0
+        self.cache = KVCache(len(head.draft.layers))
 
-    def layers(
-        self, ids: list[int], hidden_BTH: Tensor, start: int, past: list[tuple[Tensor, Tensor]] | None
-    ):
-        """The decoder layers on T new positions after the `past` keys/values (per layer; None: empty), the
-        T new ones attending causally among themselves: (last layer's pre-norm out, keys/values per layer)."""
-        draft = self.head.draft
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def step(self, ids: list[int], hidden_BTH: Tensor, start: int) -> Tensor:
+        """One forward of the head on T positions from `start` after the cached ones: pre-norm out [1, T, H]."""
         device = hidden_BTH.device
-        embeds_BTH = draft.embed(torch.tensor([ids], device=device))
-        cos_BTD, sin_BTD = draft.rope(torch.arange(start, start + len(ids), device=device)[None])
-        out_BTH, kv = hidden_BTH, []
-        for index, layer in enumerate(draft.layers):
-            if index > 0:
-                q_BNTD, k_BGTD, v_BGTD, residual_BTH = layer.project(out_BTH, cos_BTD, sin_BTD)
-            elif self.head.kind == "eagle3":
-                q_BNTD, k_BGTD, v_BGTD, residual_BTH = layer.project(embeds_BTH, hidden_BTH, cos_BTD, sin_BTD)
-            else:  # EAGLE-1: fc over cat(embedding, feature); attention reads it un-normed, residual is it
-                residual_BTH = draft.fc(torch.cat([embeds_BTH, hidden_BTH], dim=-1))
-                q_BNTD, k_BGTD, v_BGTD = layer.self_attn.project(residual_BTH, cos_BTD, sin_BTD)
-            if past is not None:
-                k_BGTD = torch.cat([past[index][0], k_BGTD], dim=2)
-                v_BGTD = torch.cat([past[index][1], v_BGTD], dim=2)
-            out_BTH = layer.finish(attend(q_BNTD, k_BGTD, v_BGTD), residual_BTH)
-            kv.append((k_BGTD, v_BGTD))
-        return out_BTH, kv
+        positions_BT = torch.arange(start, start + len(ids), device=device)[None]
+        return self.head.draft(torch.tensor([ids], device=device), hidden_BTH, positions_BT, self.cache)
 
     def extend(self, next_ids: list[int], features: Tensor) -> Tensor:
         """Read the next verified positions (features of t beside the token at t+1); their keys/values
         join the cache. Returns the pre-norm output [1, 1, H] at the last of them."""
-        if self.head.kind == "eagle3":
-            hidden_BTH = self.head.draft.combine_aux(features)
-        else:
-            hidden_BTH = features
-        out_BTH, self.kv = self.layers(next_ids, hidden_BTH, self.length, self.kv)
-        self.length += len(next_ids)
+        out_BTH = self.step(next_ids, self.head.draft.target_hidden(features), self.length)
         return out_BTH[:, -1:]
 
     def token(self, out_B1H: Tensor) -> int:
         """The greedy draft token (a target id) from a pre-norm output."""
-        if self.head.kind == "eagle3":
-            index = int(self.head.draft.logits(out_B1H)[0, -1].argmax())
-            return int(self.head.draft_to_target[index])
-        return int((out_B1H[0, -1] @ self.head.lm_head_VH.T).argmax())
+        index = int(self.head.draft.logits(out_B1H)[0, -1].argmax())
+        return index if self.head.draft_to_target is None else int(self.head.draft_to_target[index])
 
     def propose(self, out_B1H: Tensor, num_draft_tokens: int) -> list[int]:
         """A chain of greedy drafts from the last cached position; the chain's keys are not kept."""
-        drafts = [self.token(out_B1H)]
-        if self.head.parallel:
-            return drafts + self.propose_parallel(num_draft_tokens - 1)
-        past = self.kv
-        for i in range(1, num_draft_tokens):
-            # Step i reads draft token i at position (last cached) + i, fed its previous output (`carry`).
-            out_B1H, past = self.layers(
-                [drafts[-1]], self.head.draft.carry(out_B1H), self.length - 1 + i, past
-            )
-            drafts.append(self.token(out_B1H))
+        drafts, length = [self.token(out_B1H)], self.length
+        if self.head.draft.parallel:
+            drafts += self.propose_parallel(num_draft_tokens - 1)
+        else:
+            for i in range(1, num_draft_tokens):
+                # Step i reads draft token i at position (last cached) + i, fed its previous output (`carry`).
+                out_B1H = self.step([drafts[-1]], self.head.draft.carry(out_B1H), length - 1 + i)
+                drafts.append(self.token(out_B1H))
+        self.cache.crop(length)
         return drafts
 
     def propose_parallel(self, num_mask_slots: int) -> list[int]:
@@ -194,9 +147,7 @@ class DraftState:
             return []
         draft = self.head.draft
         hidden_BTH = draft.mask_state().expand(1, num_mask_slots, -1)
-        out_BTH, _ = self.layers(
-            [draft.config.mask_token_id] * num_mask_slots, hidden_BTH, self.length, self.kv
-        )
+        out_BTH = self.step([draft.config.mask_token_id] * num_mask_slots, hidden_BTH, self.length)
         return [self.token(out_BTH[:, i : i + 1]) for i in range(num_mask_slots)]
 
 
@@ -246,3 +197,32 @@ def speculative_generate(
         pending = greedy[accepted]  # the bonus token
         output, done = finish(output + drafts[:accepted] + [pending], max_new_tokens, stop_token_ids)
     return output, counts
+
+
+def reference_acceptance(
+    target_dir: Path,
+    head_dir: Path,
+    prompts: list[list[int]],
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    dtype: str = "float32",
+    weight_dtype: str = "float32",
+) -> tuple[list[list[int]], AcceptanceCounts]:
+    """Outputs and summed counts of the reference decoder (the HF target plus our head) on `prompts`: what
+    export verification holds vLLM to, and what the recipe grid (train/grid.py) ranks heads by."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    target = (
+        AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval().to(inference_device())
+    )
+    head = load_head(head_dir, target, weight_dtype)
+    outputs, total = [], AcceptanceCounts()
+    for prompt in tqdm(prompts, desc="reference decoder", unit="prompt"):
+        output, counts = speculative_generate(
+            target, head, prompt, num_draft_tokens, max_new_tokens, stop_ids
+        )
+        outputs.append(output)
+        total = total + counts
+    return outputs, total

@@ -7,12 +7,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from heads.eagle1 import Eagle1Config, Eagle1Draft, exported_state_dict
-from train.eagle1_loss import add_feature_noise, eagle1_loss
+from heads.eagle1 import Eagle1Config, Eagle1Draft
+from heads.layers import exported_state_dict
+from train.losses import add_feature_noise, eagle1_loss
 
 torch.set_num_threads(1)
 
-# DESIGN section 5: what vLLM 0.32 loads for an EAGLE-1 Llama head (no input_layernorm, norm or lm_head).
+# What vLLM 0.32 loads for an EAGLE-1 Llama head (no input_layernorm, norm or lm_head):
+# docs/design.md#what-vllm-loads.
 VLLM_EAGLE1_WEIGHTS = {
     "fc.weight",
     "layers.0.self_attn.q_proj.weight",

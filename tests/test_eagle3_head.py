@@ -7,11 +7,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from heads.eagle3 import Eagle3Config, Eagle3Draft, exported_state_dict
+from heads.eagle3 import Eagle3Config, Eagle3Draft
+from heads.layers import exported_state_dict
 
 torch.set_num_threads(1)
 
-# DESIGN section 5: what vLLM 0.32 loads for an EAGLE-3 Llama head (embed_tokens optional; not exported).
+# What vLLM 0.32 loads for an EAGLE-3 Llama head (embed_tokens optional; not exported):
+# docs/design.md#what-vllm-loads.
 VLLM_EAGLE3_WEIGHTS = {
     "fc.weight",
     "layers.0.input_layernorm.weight",
@@ -231,7 +233,7 @@ def test_rope_matches_hf_llama(rope):
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(q_BNTD, positions_BT)
     torch.testing.assert_close(cos, hf_cos, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin, hf_sin, rtol=1e-5, atol=1e-5)
-    from heads.eagle3 import apply_rope
+    from heads.layers import apply_rope
 
     torch.testing.assert_close(
         apply_rope(q_BNTD, cos, sin), apply_rotary_pos_emb(q_BNTD, q_BNTD, hf_cos, hf_sin)[0]
@@ -313,7 +315,7 @@ def test_qwen3_target_config_composes_and_trains():
     # Qwen3 targets (q/k norms, explicit head_dim) get the Llama-style EAGLE-3 layer vLLM serves for them.
     from transformers import Qwen3Config
 
-    from train.ttt import ttt_loss
+    from train.losses import ttt_loss
 
     target = Qwen3Config(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from heads.acceptance import AcceptanceCounts
 from heads.eagle3 import Eagle3Config, Eagle3Draft
 from heads.reference_decoder import DraftHead, DraftState, speculative_generate
-from train.parallel import parallel_forward
-from train.ttt import ttt_rollout
+from train.losses import parallel_forward
+from train.losses import ttt_rollout
 
 
 def test_acceptance_counts_by_hand():
@@ -49,7 +49,7 @@ def target_and_head(smoke_target_dir):
     config = Eagle3Config.from_target_config(AutoConfig.from_pretrained(smoke_target_dir), [1, 3, 4], 1024)
     draft = Eagle3Draft(config).eval().requires_grad_(False)
     draft.load_target_embedding(target.get_input_embeddings().weight)
-    return target, DraftHead("eagle3", draft, [1, 3, 4], torch.arange(1024), None)
+    return target, DraftHead(draft, torch.arange(1024))
 
 
 def greedy(target, prompt, n):
@@ -108,7 +108,7 @@ def test_the_chain_is_trainings_ttt_rollout(target_and_head, flags):
         config = Eagle3Config(**{**head.draft.config.to_dict(), **flags})
         draft = Eagle3Draft(config).eval().requires_grad_(False)
         draft.load_target_embedding(target.get_input_embeddings().weight)
-        head = DraftHead("eagle3", draft, [1, 3, 4], torch.arange(1024), None)
+        head = DraftHead(draft, torch.arange(1024))
     torch.manual_seed(1)
     num_steps, length = 3, 24
     ids = torch.randint(0, 1024, (1, length))
@@ -120,9 +120,8 @@ def test_the_chain_is_trainings_ttt_rollout(target_and_head, flags):
             state.extend(ids[0, 1:5].tolist(), aux_BTAH[:, :4])
         out = state.extend(ids[0, state.length + 1 : t + 2].tolist(), aux_BTAH[:, state.length : t + 1])
         torch.testing.assert_close(out[0, 0], ttt_outs[0][0, t], atol=1e-5, rtol=1e-5)
-        past = state.kv
         for i in range(1, num_steps):
-            out, past = state.layers([int(ids[0, t + 1 + i])], head.draft.carry(out), t + i, past)
+            out = state.step([int(ids[0, t + 1 + i])], head.draft.carry(out), t + i)
             torch.testing.assert_close(out[0, 0], ttt_outs[i][0, t], atol=1e-5, rtol=1e-5)
 
 
@@ -136,12 +135,12 @@ def target_and_parallel_head(smoke_target_dir):
     )
     draft = Eagle3Draft(config).eval().requires_grad_(False)
     draft.load_target_embedding(target.get_input_embeddings().weight)
-    return target, DraftHead("eagle3", draft, [1, 3, 4], torch.arange(1024), None)
+    return target, DraftHead(draft, torch.arange(1024))
 
 
 def test_parallel_drafting_is_lossless(target_and_parallel_head):
     target, head = target_and_parallel_head
-    assert head.parallel
+    assert head.draft.parallel
     for k in (1, 3):
         output, counts = speculative_generate(target, head, PROMPT, k, max_new_tokens=20)
         assert output == greedy(target, PROMPT, 20)
@@ -162,9 +161,7 @@ def test_a_parallel_round_is_trainings_parallel_forward(target_and_parallel_head
         out = state.extend(ids[0, 1 : t + 2].tolist(), aux_BTAH[:, : t + 1])
         torch.testing.assert_close(out[0, 0], outs[0][0, t], atol=1e-5, rtol=1e-5)
         mask_BTH = head.draft.mask_state().expand(1, num_depths - 1, -1)
-        slots, _ = state.layers(
-            [head.draft.config.mask_token_id] * (num_depths - 1), mask_BTH, t + 1, state.kv
-        )
+        slots = state.step([head.draft.config.mask_token_id] * (num_depths - 1), mask_BTH, t + 1)
         for d in range(1, num_depths):
             torch.testing.assert_close(slots[0, d - 1], outs[d][0, t], atol=1e-5, rtol=1e-5)
 
@@ -174,7 +171,7 @@ def test_on_the_gpu_the_output_is_still_the_targets_greedy_output(target_and_hea
     target, head = target_and_head
     cpu_output, cpu_counts = speculative_generate(target, head, PROMPT, 3, 20)
     gpu_target = target.to("cuda")
-    gpu_head = DraftHead("eagle3", head.draft.to("cuda"), head.aux_layer_ids, head.draft_to_target, None)
+    gpu_head = DraftHead(head.draft.to("cuda"), head.draft_to_target.to("cuda"))
     try:
         output, counts = speculative_generate(gpu_target, gpu_head, PROMPT, 3, 20)
     finally:

@@ -19,7 +19,7 @@ from heads.reference_decoder import load_head
 from target.model import load_tokenizer
 from tests.conftest import rewrite_head_weights, smoke_config
 from train.main import run as train
-from train.parallel import parallel_forward
+from train.losses import parallel_forward
 
 
 def trained(source, tmp_path_factory, name, *overrides, experiment="smoke"):

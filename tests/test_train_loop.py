@@ -76,12 +76,12 @@ PEAGLE = ("head.kind=peagle", "head.num_layers=2", "head.cod_ratio=0.5")
 
 def test_a_corrupt_head_is_refused_by_export_and_warm_start_naming_the_file(train_run, tmp_path):
     from export.main import run as export
-    from train.checkpoint import read_head
+    from heads.head_file import read_head
 
     run(train_config(train_run, "train.max_steps=2"))
     head = train_run / "draft_head"
-    config, weights = read_head(head)
-    assert set(config["files"]) == {"model.safetensors", "vocab.safetensors"}
+    record, weights = read_head(head)
+    assert set(record.files) == {"model.safetensors", "vocab.safetensors"}
     pristine = (head / "model.safetensors").read_bytes()
     # 256 flipped bytes in the weights (the reliability probe): the checksum no longer matches.
     data = bytearray(pristine)
@@ -103,6 +103,7 @@ def test_a_corrupt_head_is_refused_by_export_and_warm_start_naming_the_file(trai
             export(train_config(train_run, "export.verify=false"))
     # A truncated file of a head without checksums (written before they existed): still named.
     (head / "model.safetensors").write_bytes(pristine[: len(pristine) // 2])
+    config = record.to_json()
     config.pop("files")
     (head / "draft_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=re.escape(str(head / "model.safetensors")) + ": cannot be read"):
@@ -380,8 +381,9 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(train_run):
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_deepspeed_zero_on_two_cpu_ranks_equals_one_process(train_run, tmp_path, subprocess_env, zero_stage):
-    # DESIGN.md 7: under DeepSpeed on CPU accelerate counted one process per rank (each would train alone on
-    # all the data); the launcher fixes that, and the update must equal one process with the same batch.
+    # docs/design.md#the-cpu-machine: under DeepSpeed on CPU accelerate counted one process per rank (each
+    # would train alone on all the data); the launcher fixes that, and the update must equal one process with
+    # the same batch.
     pytest.importorskip("deepspeed")
     run(train_config(train_run, "train.batch_size=4", "train.max_steps=4"))
     ds_dir = tmp_path / "ds"

@@ -10,14 +10,12 @@ import torch
 from heads.eagle3 import Eagle3Config, Eagle3Draft
 from tests.test_eagle3_head import random_draft  # noqa: E402
 from tests.test_eagle3_head import tiny_config as head_tiny_config  # noqa: E402
-from train.ttt import (
-    chain_counts,
-    conditional_accuracies,
-    expected_acceptance_length,
+from heads.acceptance import chain_counts, conditional_accuracies, expected_acceptance_length
+from heads.attention import attention
+from train.losses import (
     step_loss,
     step_valid_mask,
     teacher_probs,
-    ttt_attention,
     ttt_loss,
     ttt_rollout,
 )
@@ -31,7 +29,7 @@ def tiny_config(**overrides) -> Eagle3Config:
 
 def ttt_dense_mask(t: int, step: int) -> torch.Tensor:
     """[T, (step+1)*T] bool over keys ordered (step j, position s): query (step, t) sees step 0 at s <= t and
-    steps 1..step at s == t. Built entry by entry, the way DESIGN section 4 states it."""
+    steps 1..step at s == t. Built entry by entry, the way docs/design.md#training-time-test states it."""
     mask = torch.zeros(t, (step + 1) * t, dtype=torch.bool)
     for q in range(t):
         for j in range(step + 1):
@@ -49,7 +47,7 @@ def dense_attention(q_BNTD, k_BGSD, v_BGSD, mask_TS):
 
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
-def test_ttt_attention_matches_dense_mask(num_kv_heads):
+def test_the_one_attention_with_earlier_steps_matches_dense_mask(num_kv_heads):
     torch.manual_seed(0)
     b, n, t, d, num_steps = 2, 4, 7, 8, 4  # steps 0..3: up to three diagonal keys
     qs = [torch.randn(b, n, t, d) for _ in range(num_steps)]
@@ -57,10 +55,11 @@ def test_ttt_attention_matches_dense_mask(num_kv_heads):
     vs = [torch.randn(b, num_kv_heads, t, d) for _ in range(num_steps)]
     for step in range(num_steps):
         if step == 0:
-            out = ttt_attention(qs[0], ks[0], vs[0])
+            out = attention(qs[0], ks[0], vs[0])
         else:
             diag_k = torch.stack(ks[1 : step + 1], dim=3)
-            out = ttt_attention(qs[step], ks[0], vs[0], diag_k, torch.stack(vs[1 : step + 1], dim=3))
+            diag_v = torch.stack(vs[1 : step + 1], dim=3)
+            out = attention(qs[step], ks[0], vs[0], extra_k_BGTJD=diag_k, extra_v_BGTJD=diag_v)
         ref = dense_attention(
             qs[step],
             torch.cat(ks[: step + 1], dim=2),

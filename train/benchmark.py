@@ -49,9 +49,9 @@ from artifacts.manifest import read_manifest
 from artifacts.vocab import load_vocab_map
 from target.launch import make_accelerator
 from target.model import load_config, load_embedding_and_lm_head
-from train.data import collate, plan_epoch
-from train.main import DraftWithLoss, build_draft, check_cache_matches_target
-from train.ttt import teacher_probs
+from train.data import check_cache_matches_target, collate, plan_epoch
+from train.main import DraftWithLoss, build_draft
+from train.losses import teacher_probs
 
 MB = 2**20
 

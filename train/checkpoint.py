@@ -1,12 +1,11 @@
-"""Checkpoints (resumable training state) and the final head (what export reads).
+"""Checkpoints (resumable training state) and warm starts from an older head.
 
     <run_dir>/ckpt/step-000200/     accelerate state (weights, optimizer, RNG of every rank, scheduler)
                                     + trainer_state.json (step, epoch), written last
-    <run_dir>/draft_head/           model.safetensors (trained weights, no embedding), vocab.safetensors,
-                                    draft_config.json (head kind and sizes, target and cache identity, metrics)
 
 A checkpoint is written to a temporary directory and renamed when complete, so a kill at any moment
-leaves the previous one intact.
+leaves the previous one intact. The final head (`<run_dir>/draft_head/`) is the head file's, read and
+written only by heads/head_file.py.
 """
 
 from __future__ import annotations
@@ -19,72 +18,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
-from artifacts.cache import file_sha256
 from artifacts.manifest import write_json_atomic
 from artifacts.vocab import VocabMap, load_vocab_map
 from heads.eagle3 import NORM_FLAGS
+from heads.head_file import HEAD_CONFIG, check_weights, read_head, read_record
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-HEAD_CONFIG = "draft_config.json"
-HEAD_FILES = ("model.safetensors", "vocab.safetensors")  # checksummed in draft_config.json's "files"
-MAX_ABS_WEIGHT = 1e4  # a trained head's weights stay within a few hundred; beyond this they are corrupt
-
-
-def check_weights(weights: dict[str, torch.Tensor], where: Path) -> None:
-    """Refuse weights no training produces: non-finite values, or magnitudes above MAX_ABS_WEIGHT."""
-    for name, tensor in weights.items():
-        if not tensor.is_floating_point() or not tensor.numel():
-            continue
-        if not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(
-                f"{where}: tensor {name} holds {bad} non-finite values (NaN or inf): a corrupt head"
-            )
-        largest = float(tensor.abs().max())
-        if largest > MAX_ABS_WEIGHT:
-            raise ValueError(
-                f"{where}: tensor {name} holds |value| {largest:.3g} > {MAX_ABS_WEIGHT:g}, which no training "
-                "produces: a corrupt head"
-            )
-
-
-def read_head(head_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A trained head's draft_config.json and weights, after checking them: each file against the checksum
-    save_head recorded, the weights finite and of sane size. Raises ValueError naming the file at fault."""
-    head_dir = Path(head_dir)
-    config_path = head_dir / HEAD_CONFIG
-    if not config_path.exists():
-        raise ValueError(f"{head_dir} holds no trained head ({HEAD_CONFIG}): run train/main.py first")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config_path}: corrupt ({error}); retrain, or restore the head") from error
-    checksums = config.get("files")
-    if checksums is None:
-        log.warning(
-            "%s records no checksums (written before they existed): its files are not checked", config_path
-        )
-    for name in HEAD_FILES:
-        path = head_dir / name
-        if not path.exists():
-            raise ValueError(f"{path} is missing: the head directory is incomplete; retrain, or restore it")
-        if checksums is not None and file_sha256(path) != checksums.get(name):
-            raise ValueError(
-                f"{path}: checksum mismatch with {config_path} (the file is corrupt or was changed after "
-                "training); retrain, or restore the head"
-            )
-    try:
-        weights = load_file(str(head_dir / "model.safetensors"))
-    except Exception as error:  # safetensors raises its own error types for truncated or garbled files
-        raise ValueError(
-            f"{head_dir / 'model.safetensors'}: cannot be read ({error}); a corrupt head"
-        ) from error
-    check_weights(weights, head_dir / "model.safetensors")
-    return config, weights
 
 
 def checkpoint_dirs(ckpt_dir: Path) -> list[Path]:
@@ -207,7 +149,7 @@ def warm_start_flags(path: Path) -> dict | None:
     """The norm flags an older head was trained with: its draft_config.json, or for a checkpoint its run's
     train.yaml (None when neither says; a flag either lacks means off, as before the flag existed)."""
     if (path / HEAD_CONFIG).exists():
-        config = json.loads((path / HEAD_CONFIG).read_text()).get("config", {})
+        config = read_record(path).config.to_dict()
     elif (path.parent.parent / "train.yaml").exists():
         import yaml
 
@@ -296,21 +238,3 @@ def load_warm_start(model: torch.nn.Module, path: Path, vocab: VocabMap | None =
             "aux layer count?):\n" + "\n".join(mismatched + [f"  {k}: missing" for k in missing])
         )
     model.load_state_dict({k: weights[k] for k in own if k in weights}, strict=False)
-
-
-def save_head(directory: Path, weights: dict[str, torch.Tensor], vocab_file: Path, config: dict) -> None:
-    """The final head in the project's format, built beside `directory` and renamed into place."""
-    from safetensors.torch import save_file
-
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(
-        {k: v.detach().float().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors")
-    )
-    shutil.copy(vocab_file, tmp / "vocab.safetensors")
-    write_json_atomic(
-        tmp / HEAD_CONFIG, {**config, "files": {name: file_sha256(tmp / name) for name in HEAD_FILES}}
-    )
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from artifacts.config import check_config, register_configs
 from artifacts.manifest import write_json_atomic
+from heads.head_file import read_record
 from train.curves import plot, read_curve
 
 log = logging.getLogger("grid")
@@ -99,7 +100,7 @@ def train_variant(variant_dir: Path, overrides: list[str]) -> None:
 def held_out_acceptance(cfg, head_dir: Path) -> dict:
     """The reference decoder's acceptance on the cache's held-out prompts (what vLLM serves the head at)."""
     from artifacts.prompts import held_out_prompts, stop_token_ids
-    from export.verify import reference_acceptance
+    from heads.reference_decoder import reference_acceptance
     from target.model import load_tokenizer, target_dir
 
     tokenizer = load_tokenizer(cfg.target)
@@ -117,13 +118,13 @@ def held_out_acceptance(cfg, head_dir: Path) -> dict:
 
 def result_row(name: str, overrides: list[str], variant_dir: Path, k: int, result: dict) -> dict:
     """One variant's numbers: its final held-out eval, plus `result` (reference acceptance, training time)."""
-    head = json.loads((variant_dir / "draft_head" / "draft_config.json").read_text())
-    held_out = head["training"]["held_out"]
+    record = read_record(variant_dir / "draft_head")
+    held_out = record.held_out
     depths = sorted(int(key.rsplit("_", 1)[1]) for key in held_out if key.startswith("eval/acc_"))
     return {
         "variant": name,
         "overrides": overrides,
-        "steps": head["training"]["num_steps"],
+        "steps": record.training["num_steps"],
         "loss": [held_out[f"eval/loss_{d}"] for d in depths],
         "acc": [held_out[f"eval/acc_{d}"] for d in depths],
         "cond_acc": [held_out[f"eval/cond_acc_{d}"] for d in depths],

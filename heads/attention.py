@@ -1,0 +1,131 @@
+"""The one attention of every draft head, and the key/value cache that makes its modes.
+
+Every place a head attends - a plain causal pass (vLLM's prefill, the EAGLE-1 loss), the reference
+decoder's cached decoding, the training-time-test steps of EAGLE-3 and P-EAGLE's parallel depths - goes
+through `attention`: each query sees the keys at positions up to its own (causal) plus, optionally, a few
+keys of its own (the keys of earlier drafting steps at the same anchor), all in one softmax. The caller
+never builds a mask: a `KVCache` passed to the head's forward decides which keys each call adds and sees.
+
+    cache = KVCache(num_layers)                       # decoding: every call continues the sequence
+    out_BTH = draft(ids_BT, hidden_BTH, positions_BT, cache)
+    cache = KVCache(num_layers, steps=True)           # training-time test / parallel depths: the first
+    out_BTH = draft(ids_BT, hidden_BTH, positions_BT, cache)   # call is the sequence, each later one a
+    out_BTH = draft(next_ids_BT, carried_BTH, positions_BT + 1, cache)  # step at every anchor
+
+Memory is O(T^2 + T*K), never a dense (T x K*T) mask (docs/design.md#training-time-test).
+
+Shape legend: B batch, T queries, S key positions, M anchors, N query heads, G key/value heads,
+R = N/G queries per key/value head, D head dim, J extra keys per query (earlier steps).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def attention(
+    q_BNTD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    query_positions_BT: Tensor | None = None,
+    extra_k_BGTJD: Tensor | None = None,
+    extra_v_BGTJD: Tensor | None = None,
+) -> Tensor:
+    """Grouped-query attention: query t sees the keys at positions <= its own, plus its own J extra keys.
+
+    Query positions default to the last T of the S key positions (a plain causal pass when T == S; new
+    tokens after a cache otherwise); `query_positions_BT` places them elsewhere (P-EAGLE's anchors).
+    Both score blocks share one softmax. No key-padding mask: batches are right-padded, so a pad key sits
+    after every real position and is visible only to pad queries, which get no loss.
+    """
+    b, n, t, d = q_BNTD.shape
+    g, s = k_BGSD.shape[1], k_BGSD.shape[2]
+    # Query head n reads key/value head n // R (HF's repeat_kv order): a view, no copies of the keys.
+    q_BGRTD = q_BNTD.view(b, g, n // g, t, d) * d**-0.5
+    scores_BGRTS = torch.einsum("bgrtd,bgsd->bgrts", q_BGRTD, k_BGSD)
+    if query_positions_BT is None:
+        future = torch.ones(t, s, dtype=torch.bool, device=q_BNTD.device).triu(s - t + 1)
+    else:
+        future = (torch.arange(s, device=q_BNTD.device) > query_positions_BT[..., None])[:, None, None]
+    scores_BGRTS = scores_BGRTS.masked_fill(future, float("-inf"))
+    if extra_k_BGTJD is None:
+        probs_BGRTS = torch.softmax(scores_BGRTS.float(), dim=-1).to(q_BNTD.dtype)
+        return torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTS, v_BGSD).reshape(b, n, t, d)
+    scores_BGRTJ = torch.einsum("bgrtd,bgtjd->bgrtj", q_BGRTD, extra_k_BGTJD)
+    probs = torch.softmax(torch.cat([scores_BGRTS, scores_BGRTJ], dim=-1).float(), dim=-1).to(q_BNTD.dtype)
+    probs_BGRTS, probs_BGRTJ = probs.split([s, extra_k_BGTJD.shape[3]], dim=-1)
+    out_BGRTD = torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTS, v_BGSD)
+    out_BGRTD = out_BGRTD + torch.einsum("bgrtj,bgtjd->bgrtd", probs_BGRTJ, extra_v_BGTJD)
+    return out_BGRTD.reshape(b, n, t, d)
+
+
+class LayerKV:
+    """One decoder layer's keys/values: the sequence [B, G, S, D], and with `steps` the keys of the later
+    drafting steps, one [B, G, M_j, D] per step (M_j anchors, nested: step j's are the first M_j of step
+    j-1's)."""
+
+    def __init__(self, steps: bool):
+        self.steps = steps
+        self.k_BGSD: Tensor | None = None
+        self.v_BGSD: Tensor | None = None
+        self.step_k: list[Tensor] = []
+        self.step_v: list[Tensor] = []
+
+    def attend(self, q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor, anchors_BM: Tensor | None) -> Tensor:
+        """Add this call's keys (to the sequence, or as the next step) and attend over what is kept."""
+        if self.k_BGSD is None or not self.steps:
+            if self.k_BGSD is None:
+                self.k_BGSD, self.v_BGSD = k_BGTD, v_BGTD
+            else:
+                self.k_BGSD = torch.cat([self.k_BGSD, k_BGTD], dim=2)
+                self.v_BGSD = torch.cat([self.v_BGSD, v_BGTD], dim=2)
+            return attention(q_BNTD, self.k_BGSD, self.v_BGSD)
+        # A drafting step: its query at anchor t sees the sequence up to t and the steps so far at t.
+        self.step_k.append(k_BGTD)
+        self.step_v.append(v_BGTD)
+        m = q_BNTD.shape[2]
+        return attention(
+            q_BNTD,
+            self.k_BGSD,
+            self.v_BGSD,
+            anchors_BM,
+            torch.stack([k[:, :, :m] for k in self.step_k], dim=3),
+            torch.stack([v[:, :, :m] for v in self.step_v], dim=3),
+        )
+
+    def crop(self, length: int) -> None:
+        self.k_BGSD, self.v_BGSD = self.k_BGSD[:, :, :length], self.v_BGSD[:, :, :length]
+
+
+class KVCache:
+    """The keys/values of a head's decoder layers across forward calls.
+
+    steps=False (decoding): each call's T new positions follow the S cached ones and attend causally to
+    all of them. steps=True (training-time test, parallel depths): the first call's positions are the
+    sequence; each later call is one more drafting step at the anchors (every position, or `anchors_BM`),
+    whose query sees the sequence up to its anchor and the earlier steps' keys at the same anchor.
+    """
+
+    def __init__(self, num_layers: int, steps: bool = False):
+        self.layers = [LayerKV(steps) for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Cached sequence positions."""
+        k_BGSD = self.layers[0].k_BGSD
+        return 0 if k_BGSD is None else k_BGSD.shape[2]
+
+    def crop(self, length: int) -> None:
+        """Forget the sequence positions from `length` on (a draft chain's keys, rejected drafts)."""
+        for layer in self.layers:
+            layer.crop(length)
+
+
+def attend(
+    q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor, kv: LayerKV | None, anchors_BM: Tensor | None = None
+) -> Tensor:
+    """A decoder layer's attention: plain causal over these positions, or through its cache."""
+    if kv is None:
+        return attention(q_BNTD, k_BGTD, v_BGTD)
+    return kv.attend(q_BNTD, k_BGTD, v_BGTD, anchors_BM)

@@ -1,0 +1,411 @@
+"""The losses of every head kind: training-time test (EAGLE-3), parallel drafting (P-EAGLE) and EAGLE-1.
+
+Pure functions on tensors (no I/O, no Accelerator), tested on CPU. Each drives the head through its own
+`forward` (heads/), once per drafting step, with a `heads.attention.KVCache` in steps mode that holds the
+keys of earlier steps (docs/design.md#training-time-test):
+
+- TTT (`ttt_loss`): at step k the draft at position t reads the embedding of x_{t+1+k} and, as hidden state,
+  `fc(aux_t)` at step 0 or its own output of step k-1 (pre-norm, post-norm with `norm_output`; not
+  detached), at RoPE position t + k; it predicts x_{t+2+k} against the target's distribution at t+1+k
+  restricted to the draft vocabulary. Its attention sees step 0's keys at positions <= t plus the keys of
+  steps 1..k at t.
+- Parallel drafting (`parallel_loss`, docs/design.md#p-eagle): in one draft forward of a round the verified
+  slot at anchor t reads (x_{t+1}, `fc(aux_t)`) at position t, exactly as TTT's step 0; the K-1 mask slots
+  vLLM appends read (mask token, `fc(mask_hidden)`) at t+1..t+K-1 and see the real keys at <= t and the slots
+  before them. Same teacher, loss and metrics as TTT; unlike TTT a slot's input does not depend on earlier
+  slots' outputs. COD (the P-EAGLE paper's anchor subsampling): with `cod_ratio` r < 1, depth d >= 1 runs
+  only at ~T*r^d anchors, nested in depth d-1's (answer positions first).
+- EAGLE-1 (`eagle1_loss`, docs/design.md#the-draft-heads): `SmoothL1(f_pred, f_true) + 0.1 * CE(soft
+  target)`, noise U(-0.1, 0.1) on the input features. At t the draft reads cat(embed(x_{t+1}), f_t) and
+  predicts f_{t+1}, i.e. the target's distribution over x_{t+2}: the same shift as TTT's step 0, so
+  position t has a loss iff x_{t+2} is a real assistant token. (SafeAILab's script masks with
+  loss_mask[t], two tokens early; the shifted mask trains exactly the drafts verified on assistant text.)
+
+    total, metrics = ttt_loss(draft, batch, num_steps=7, gamma=0.8, target_lm_head=w_VH,
+                              draft_to_target=vocab.draft_to_target, chunk_size=1024)
+    total, metrics = parallel_loss(draft, batch, num_depths=3, ...same..., cod_ratio=0.7)
+    total, metrics = eagle1_loss(draft, batch, target_lm_head=w_VH, chunk_size=1024, generator=g)
+
+Shape legend:
+    B batch, T positions, M anchors kept at a depth (or valid positions), H hidden, A aux layers,
+    K steps, V target vocab, Vd draft vocab, C rows in a chunk, S = T - 1 positions with a next feature.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from heads.acceptance import chain_counts
+from heads.attention import KVCache
+from heads.eagle1 import Eagle1Draft
+from heads.eagle3 import Eagle3Draft
+
+
+def shift_left(x_BT: torch.Tensor, shift: int, fill: int | bool = 0) -> torch.Tensor:
+    """x[:, t + shift] at t, `fill` where that runs past the end."""
+    out_BT = torch.full_like(x_BT, fill)
+    if shift < x_BT.shape[1]:
+        out_BT[:, : x_BT.shape[1] - shift] = x_BT[:, shift:]
+    return out_BT
+
+
+def ttt_rollout(model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, num_steps: int) -> list[Tensor]:
+    """Pre-norm outputs [B, T, H] of steps 0..K-1, teacher-forced (step k reads x_{t+1+k}): one call of the
+    head's forward per step, the cache holding the earlier steps' keys at each position."""
+    positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
+    cache = KVCache(len(model.layers), steps=True)
+    hidden_BTH = model.target_hidden(aux_BTAH)
+    outs = []
+    for step in range(num_steps):
+        # Token ids past the end are a placeholder (0): those positions are never valid for the loss.
+        # Step k's token sits k places after step 0's: RoPE position t + k, as when vLLM drafts a chain.
+        out_BTH = model(shift_left(input_ids_BT, 1 + step), hidden_BTH, positions_BT + step, cache)
+        outs.append(out_BTH)
+        # Fed back (post-norm with norm_output) without detaching: later steps' gradients reach earlier ones.
+        hidden_BTH = model.carry(out_BTH)
+    return outs
+
+
+@torch.no_grad()
+def teacher_probs(
+    final_hidden_BTH: Tensor,
+    target_lm_head_VH: Tensor,
+    draft_to_target: Tensor,
+    chunk_size: int,
+    needed_BT: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The target's next-token distribution at every position, restricted to the draft vocabulary.
+
+    Returns (probs_BTVd fp32, summing to 1 over the draft vocabulary; in_draft_BT bool: the target's
+    argmax over its FULL vocabulary is a draft token). Logits are computed in the lm_head's dtype, as the
+    target computes them, then softmaxed in fp32 - `chunk_size` tokens at a time, so fp32 logits over the
+    whole target vocabulary never exist for more than one chunk. With `needed_BT`, only those positions
+    are computed (the full-vocabulary product is the costliest part of a step); the others get zero
+    probabilities and in_draft False.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size}: must be positive")
+    b, t, h = final_hidden_BTH.shape
+    draft_to_target = draft_to_target.to(final_hidden_BTH.device)
+    is_draft_V = torch.zeros(target_lm_head_VH.shape[0], dtype=torch.bool, device=final_hidden_BTH.device)
+    is_draft_V[draft_to_target] = True
+    rows_M = torch.arange(b * t, device=final_hidden_BTH.device)
+    if needed_BT is not None:
+        rows_M = rows_M[needed_BT.reshape(-1)]
+    hidden_MH = final_hidden_BTH.reshape(b * t, h)[rows_M]
+    probs_NVd = hidden_MH.new_zeros(b * t, draft_to_target.numel(), dtype=torch.float32)
+    in_draft_N = torch.zeros(b * t, dtype=torch.bool, device=hidden_MH.device)
+    for start in range(0, rows_M.numel(), chunk_size):
+        chunk_C = rows_M[start : start + chunk_size]
+        logits_CV = (
+            hidden_MH[start : start + chunk_size].to(target_lm_head_VH.dtype) @ target_lm_head_VH.T
+        ).float()
+        in_draft_N[chunk_C] = is_draft_V[logits_CV.argmax(-1)]
+        probs_NVd[chunk_C] = torch.softmax(logits_CV[:, draft_to_target], dim=-1)
+    return probs_NVd.view(b, t, -1), in_draft_N.view(b, t)
+
+
+def step_valid_mask(
+    loss_mask_BT: Tensor, in_draft_BT: Tensor, step: int, attention_mask_BT: Tensor | None = None
+) -> Tensor:
+    """[B, T] bool: position t has a loss at step k (it predicts x_{t+2+k} from the teacher at t+1+k).
+
+    Valid iff x_{t+2+k} exists, is real (attention_mask) and an assistant token (loss_mask), and the
+    target's argmax at t+1+k is in the draft vocabulary (otherwise the draft cannot match it).
+    """
+    valid_BT = shift_left(loss_mask_BT.bool(), 2 + step, False) & shift_left(in_draft_BT, 1 + step, False)
+    if attention_mask_BT is not None:
+        valid_BT &= shift_left(attention_mask_BT.bool(), 2 + step, False)
+    return valid_BT
+
+
+def step_loss(
+    logits_BTVd: Tensor, teacher_BTVd: Tensor, valid_BT: Tensor, denominator: Tensor | float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(soft cross-entropy over valid positions, correct_BT, num_valid). Zero loss with none valid.
+
+    The loss is the mean over this batch's valid positions, or the sum divided by `denominator` when given
+    (the trainer passes a count over the whole global batch, so that any split of it across processes
+    and micro-batches gives the same gradient).
+    """
+    logprobs_BTVd = torch.log_softmax(logits_BTVd.float(), dim=-1)
+    ce_BT = -(teacher_BTVd * logprobs_BTVd).sum(-1)
+    num_valid = valid_BT.sum()
+    if denominator is None:
+        denominator = num_valid.clamp(min=1)
+    loss = torch.where(valid_BT, ce_BT, 0.0).sum() / denominator
+    correct_BT = (logits_BTVd.argmax(-1) == teacher_BTVd.argmax(-1)) & valid_BT
+    return loss, correct_BT, num_valid
+
+
+def depth_losses(
+    model: Eagle3Draft,
+    outs: list[Tensor],
+    batch: dict[str, Tensor],
+    probs_BTVd: Tensor,
+    in_draft_BT: Tensor,
+    gamma: float,
+    denominator: Tensor | float | None = None,
+    anchors: list[Tensor | None] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """sum_k gamma^k loss_k and the metrics, from each depth's pre-norm outputs (TTT steps or P-EAGLE depths).
+
+    outs[k] is [B, T, H] (every position an anchor) or, with anchors[k] = index_BM, [B, M, H] at those
+    anchor positions. Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
+    """
+    input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
+    attention_mask_BT = batch.get("attention_mask")
+    total = torch.zeros((), device=input_ids_BT.device)
+    metrics: dict[str, torch.Tensor] = {}
+    correct, eligible = [], []
+    for step, out_BMH in enumerate(outs):
+        index_BM = anchors[step] if anchors is not None else None
+        valid_BT = step_valid_mask(loss_mask_BT, in_draft_BT, step, attention_mask_BT)
+        # Eligible for the acceptance estimate: an assistant token to predict, whatever the target's argmax.
+        eligible_BT = step_valid_mask(loss_mask_BT, torch.ones_like(in_draft_BT), step, attention_mask_BT)
+        if index_BM is None:
+            batch_M, pos_M = valid_BT.nonzero(as_tuple=True)
+            row_M = pos_M
+        else:
+            selected_BT = torch.zeros_like(valid_BT).scatter_(1, index_BM, True)
+            valid_BT, eligible_BT = valid_BT & selected_BT, eligible_BT & selected_BT
+            batch_M, row_M = valid_BT.gather(1, index_BM).nonzero(as_tuple=True)
+            pos_M = index_BM[batch_M, row_M]
+        # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
+        # (answer tokens; never where t+2+k runs past the end), gathered as [1, M, ...]: prompt positions
+        # cost no lm_head work.
+        loss, correct_1M, num_valid = step_loss(
+            model.logits(out_BMH[batch_M, row_M])[None],
+            probs_BTVd[batch_M, pos_M + 1 + step][None],
+            torch.ones(1, batch_M.numel(), dtype=torch.bool, device=valid_BT.device),
+            denominator,
+        )
+        correct_BT = torch.zeros_like(valid_BT)
+        correct_BT[batch_M, pos_M] = correct_1M[0]
+        total = total + gamma**step * loss
+        metrics[f"loss_{step}"] = loss.detach()
+        metrics[f"acc_{step}"] = correct_BT.sum() / num_valid.clamp(min=1)
+        metrics[f"num_valid_{step}"] = num_valid
+        correct.append(correct_BT)
+        eligible.append(eligible_BT)
+    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
+    for step in range(len(outs)):
+        metrics[f"chain_hits_{step}"], metrics[f"chain_total_{step}"] = hits_K[step], totals_K[step]
+    return total, metrics
+
+
+def batch_teacher(batch: dict[str, Tensor], target_lm_head: Tensor, draft_to_target: Tensor, chunk_size: int):
+    """(probs_BTVd, in_draft_BT) at the positions some depth needs: x_{t+1} an answer token."""
+    # The teacher at j serves a loss only where x_{j+1} is an answer token: prompts cost no teacher work.
+    needed_BT = shift_left(batch["loss_mask"].bool(), 1, False)
+    return teacher_probs(batch["final_hidden"], target_lm_head, draft_to_target, chunk_size, needed_BT)
+
+
+def ttt_loss(
+    model: Eagle3Draft,
+    batch: dict[str, torch.Tensor],
+    num_steps: int,
+    gamma: float,
+    target_lm_head: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    chunk_size: int,
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: see `step_loss` for `denominator`).
+
+    batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
+    optional attention_mask [B, T] (1 = real token; without it every position is real).
+    Metrics (detached tensors), per step k: loss_k; acc_k and num_valid_k over the positions with a loss;
+    chain_hits_k / chain_total_k, counts for `conditional_accuracies` where a target argmax outside the
+    draft vocabulary counts as a miss (as in vLLM), not as skipped.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
+    if not gamma > 0:
+        raise ValueError(f"gamma={gamma}: the step weight must be positive")
+    probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
+    return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator)
+
+
+def cod_anchors(
+    loss_mask_BT: Tensor, num_depths: int, ratio: float, generator: torch.Generator | None = None
+) -> list[Tensor | None]:
+    """Anchor indices [B, M_d] per depth (None at depth 0: every position), nested: depth d keeps the first
+    M_d = ceil(n * ratio^d) of one random order per row that puts anchors with an answer token to
+    predict first (n: the most such anchors in a row). ratio >= 1 keeps every anchor at every depth."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"cod_ratio={ratio}: must be in (0, 1]")
+    if ratio == 1:
+        return [None] * num_depths
+    b, t = loss_mask_BT.shape
+    wanted_BT = shift_left(loss_mask_BT.bool(), 2, False)
+    noise_BT = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask_BT.device)
+    order_BT = torch.argsort(noise_BT + (~wanted_BT).float(), dim=1)  # wanted anchors first, shuffled
+    n = max(1, int(wanted_BT.sum(1).max()))
+    return [None] + [order_BT[:, : max(1, math.ceil(n * ratio**d))] for d in range(1, num_depths)]
+
+
+def parallel_forward(
+    model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, anchors: list[Tensor | None]
+) -> list[Tensor]:
+    """The last layer's pre-norm outputs per depth: depth 0 [B, T, H]; depth d >= 1 [B, M_d, H] at the
+    anchors `anchors[d]` ([B, M_d] indices, nested; None: all T positions). One call of the head's forward
+    per depth; the cache gives depth d the real keys up to its anchor and the slots of depths 1..d there."""
+    b, t = input_ids_BT.shape
+    positions_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
+    index = [a if a is not None else positions_BT for a in anchors]
+    cache = KVCache(len(model.layers), steps=True)
+    # Depth 0 is EAGLE-3's step 0 (the next token beside the aux states).
+    outs = [model(shift_left(input_ids_BT, 1), model.target_hidden(aux_BTAH), index[0], cache, index[0])]
+    # Mask slots share one token and one hidden state; depth d of anchor t sits at position t + d.
+    mask_hidden_11H = model.mask_state()
+    for d in range(1, len(anchors)):
+        m = index[d].shape[1]
+        mask_ids_BM = torch.full((b, m), model.config.mask_token_id, device=input_ids_BT.device)
+        outs.append(model(mask_ids_BM, mask_hidden_11H.expand(b, m, -1), index[d] + d, cache, index[d]))
+    return outs
+
+
+def parallel_loss(
+    model: Eagle3Draft,
+    batch: dict[str, Tensor],
+    num_depths: int,
+    gamma: float,
+    target_lm_head: Tensor,
+    draft_to_target: Tensor,
+    chunk_size: int,
+    denominator: Tensor | float | None = None,
+    cod_ratio: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """total = sum_d gamma^d loss_d over the K parallel depths; the batch and metrics as `ttt_loss`'s."""
+    if num_depths < 1:
+        raise ValueError(f"num_depths={num_depths}: parallel drafting needs at least one depth")
+    if not gamma > 0:
+        raise ValueError(f"gamma={gamma}: the depth weight must be positive")
+    if not model.config.parallel_drafting:
+        raise ValueError("parallel_loss needs a head with a mask_token_id (head.kind=peagle)")
+    anchors = cod_anchors(batch["loss_mask"], num_depths, cod_ratio, generator)
+    probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
+    return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator, anchors)
+
+
+def add_feature_noise(
+    features_BTH: Tensor, noise_range: float, generator: torch.Generator | None = None
+) -> Tensor:
+    """features + U(-noise_range, noise_range), in fp32 (the draft casts to its own dtype).
+
+    The noise comes from `generator` (or the global RNG when None), so restoring that RNG state on resume
+    replays it. EAGLE's noise stands in for the draft's own prediction errors, which it reads back at
+    inference. (SafeAILab's script also scales it by 512 / T; DESIGN fixes the plain U(-0.1, 0.1).)
+    """
+    if noise_range < 0:
+        raise ValueError(f"noise_range={noise_range}: the half-width of the uniform noise must be >= 0")
+    features_BTH = features_BTH.float()
+    unit_BTH = torch.rand(
+        features_BTH.shape, generator=generator, device=features_BTH.device, dtype=torch.float32
+    )
+    return features_BTH + (2 * unit_BTH - 1) * noise_range
+
+
+def soft_ce_sum(pred_CH: Tensor, true_CH: Tensor, target_lm_head_VH: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum over rows of CE(softmax(lm_head(true)), log_softmax(lm_head(pred))), rows whose argmaxes agree).
+
+    Logits are computed in the lm_head's dtype, as the target computes them, then soft-maxed in fp32.
+    """
+    with torch.no_grad():
+        teacher_CV = torch.softmax((true_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float(), -1)
+    logits_CV = (pred_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
+    ce_sum = -(teacher_CV * torch.log_softmax(logits_CV, dim=-1)).sum()
+    num_correct = (logits_CV.argmax(-1) == teacher_CV.argmax(-1)).sum()
+    return ce_sum, num_correct
+
+
+def chunked_soft_ce(
+    pred_MH: Tensor, true_MH: Tensor, target_lm_head_VH: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """`soft_ce_sum` over all rows, `chunk_size` rows at a time.
+
+    Each chunk runs under activation checkpointing when it needs a gradient: otherwise autograd would keep
+    every chunk's fp32 [C, V] probabilities until backward - the whole batch's full-vocabulary logits after
+    all. Checkpointed, backward recomputes one chunk's teacher and logits at a time (twice the lm_head
+    matmuls, a fraction of the memory).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size}: must be positive")
+    ce_sum = pred_MH.new_zeros((), dtype=torch.float32)
+    num_correct = torch.zeros((), dtype=torch.int64, device=pred_MH.device)
+    for start in range(0, pred_MH.shape[0], chunk_size):
+        pred_CH, true_CH = pred_MH[start : start + chunk_size], true_MH[start : start + chunk_size]
+        if torch.is_grad_enabled() and pred_CH.requires_grad:
+            chunk_ce, chunk_correct = checkpoint(
+                soft_ce_sum, pred_CH, true_CH, target_lm_head_VH, use_reentrant=False
+            )
+        else:
+            chunk_ce, chunk_correct = soft_ce_sum(pred_CH, true_CH, target_lm_head_VH)
+        ce_sum, num_correct = ce_sum + chunk_ce, num_correct + chunk_correct
+    return ce_sum, num_correct
+
+
+def eagle1_loss(
+    model: Eagle1Draft,
+    batch: dict[str, torch.Tensor],
+    target_lm_head: torch.Tensor,
+    chunk_size: int,
+    *,
+    noise_range: float = 0.1,
+    ce_weight: float = 0.1,
+    add_noise: bool = True,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """total = SmoothL1(f_pred, f_true) + ce_weight * soft CE, both means over the valid positions.
+
+    batch: input_ids [B, T] int64, loss_mask [B, T] bool, final_hidden [B, T, H], optional attention_mask
+    [B, T] (1 = real token; batches are right-padded). target_lm_head: the target's frozen [V, H] weight.
+    add_noise=False for evaluation. Metrics (detached tensors): loss, loss_regression (SmoothL1, beta 1,
+    mean over positions and hidden dims), loss_ce, acc_0 (draft argmax == target argmax), num_valid, and
+    chain_hits_0 / chain_total_0 (the same counts, named as `ttt_loss` names them, so they sum over ranks).
+    """
+    if ce_weight < 0:
+        raise ValueError(f"ce_weight={ce_weight}: the cross-entropy weight must be >= 0")
+    input_ids_BT, final_hidden_BTH = batch["input_ids"], batch["final_hidden"]
+    b, t = input_ids_BT.shape
+    s = max(t - 1, 0)  # the last position has no next token to read and no next feature to predict
+    valid_BS = step_valid_mask(
+        batch["loss_mask"].bool(),
+        torch.ones_like(input_ids_BT, dtype=torch.bool),
+        0,
+        batch.get("attention_mask"),
+    )[:, :s]
+    features_BSH = final_hidden_BTH[:, :s]
+    if add_noise and noise_range > 0:
+        features_BSH = add_feature_noise(features_BSH, noise_range, generator)
+    positions_BS = torch.arange(s, device=input_ids_BT.device).expand(b, -1)
+    pred_BSH = model(input_ids_BT[:, 1:], features_BSH, positions_BS)
+
+    # Only valid rows go on: the regression and the full-vocabulary CE cost nothing for padding or prompts.
+    pred_MH = pred_BSH[valid_BS].float()
+    true_MH = final_hidden_BTH[:, 1:][valid_BS]
+    num_valid = valid_BS.sum()
+    denom = num_valid.clamp(min=1)
+    regression = F.smooth_l1_loss(pred_MH, true_MH.float(), reduction="none").mean(-1).sum() / denom
+    ce_sum, num_correct = chunked_soft_ce(pred_MH, true_MH, target_lm_head, chunk_size)
+    ce = ce_sum / denom
+    total = regression + ce_weight * ce
+    metrics = {
+        "loss": total.detach(),
+        "loss_regression": regression.detach(),
+        "loss_ce": ce.detach(),
+        "acc_0": num_correct / denom,
+        "num_valid": num_valid,
+        "chain_hits_0": num_correct,
+        "chain_total_0": num_valid,
+    }
+    return total, metrics

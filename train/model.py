@@ -1,0 +1,170 @@
+"""The model train fits: a draft head of `head.kind` (heads/), sized from the target and the cache and
+initialised as the recipe says, wrapped with its loss (train/losses.py) in one module so that DDP and
+DeepSpeed see a single forward.
+
+    draft = build_draft(cfg, target_config, cache_manifest, vocab)
+    model = DraftWithLoss(draft, target_lm_head_VH, vocab.draft_to_target, cfg)
+    loss, metrics = model(batch, denominator)
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+from heads.eagle1 import Eagle1Config, Eagle1Draft
+from heads.eagle3 import NORM_FLAGS, Eagle3Config, Eagle3Draft
+from heads.head_file import HeadRecord
+from heads.kinds import head_kind
+from target.model import load_final_norm
+from train.losses import eagle1_loss, parallel_loss, ttt_loss
+
+
+class DraftWithLoss(torch.nn.Module):
+    """The head plus its objective in one forward, so DDP / DeepSpeed see a single module call.
+
+    EAGLE-3: the TTT loss. P-EAGLE: the parallel-drafting loss, with COD subsampling while training only
+    (held-out metrics see every anchor); `head.aux_noise` perturbs the aux states while training only.
+    EAGLE-1: feature regression + soft CE, reported as one step (loss_0, acc_0) so the loop treats all
+    alike. The three losses: train/losses.py.
+    """
+
+    def __init__(self, draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
+        super().__init__()
+        self.draft, self.kind, self.head_cfg = draft, cfg.head.kind, cfg.head
+        self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        self.register_buffer("draft_to_target", draft_to_target, persistent=False)
+        self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
+
+    def forward(self, batch, denominator=None):
+        if self.training and self.head_cfg.aux_noise and "aux_hidden" in batch:
+            aux = batch["aux_hidden"].float()
+            noise = (torch.rand_like(aux) * 2 - 1) * self.head_cfg.aux_noise
+            batch = {**batch, "aux_hidden": aux + noise}
+        if self.kind == "peagle":
+            return parallel_loss(
+                self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
+                self.draft_to_target, self.chunk_size, denominator,
+                cod_ratio=self.head_cfg.cod_ratio if self.training else 1.0,
+            )  # fmt: skip
+        if self.kind == "eagle3":
+            return ttt_loss(
+                self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
+                self.draft_to_target, self.chunk_size, denominator,
+            )  # fmt: skip
+        total, metrics = eagle1_loss(
+            self.draft, batch, self.target_lm_head, self.chunk_size, noise_range=self.head_cfg.eagle1_noise,
+            ce_weight=self.head_cfg.eagle1_ce_weight, add_noise=self.training,
+        )  # fmt: skip
+        if denominator is not None:  # a mean over this batch's valid positions -> a sum over the global count
+            total = total * metrics["num_valid"] / denominator
+        return total, {
+            "loss_0": total.detach(),
+            "acc_0": metrics["acc_0"],
+            "num_valid_0": metrics["num_valid"],
+            "chain_hits_0": metrics["chain_hits_0"],
+            "chain_total_0": metrics["chain_total_0"],
+        }
+
+
+def num_loss_steps(cfg) -> int:
+    """Drafting depths the objective trains and reports: K for EAGLE-3 and P-EAGLE, one for EAGLE-1."""
+    return {"eagle1": 1, "peagle": cfg.head.num_depths}.get(cfg.head.kind, cfg.head.num_ttt_steps)
+
+
+def build_draft(cfg, target_config, cache_manifest, vocab):
+    """A freshly initialised head of `head.kind`, sized from the target and the cache."""
+    torch.manual_seed(cfg.seed)
+    head_kind(cfg.head.kind)  # an unknown kind is refused naming head.kind
+    if cfg.head.num_layers != 1 and cfg.head.kind != "peagle":
+        raise ValueError(
+            f"head.num_layers={cfg.head.num_layers}: only P-EAGLE heads (head.kind=peagle) stack several "
+            f"decoder layers here; {cfg.head.kind} heads have one"
+        )
+    if cfg.head.kind == "eagle1":
+        eagle3_only = {
+            **{flag: getattr(cfg.head, flag) for flag in NORM_FLAGS},
+            "lm_head_init": cfg.head.lm_head_init != "random",
+            "freeze_lm_head": cfg.head.freeze_lm_head,
+            "aux_noise": bool(cfg.head.aux_noise),
+        }
+        if any(eagle3_only.values()):
+            raise ValueError(
+                f"head.kind=eagle1: {', '.join(f'head.{k}' for k, v in eagle3_only.items() if v)} belong to "
+                "EAGLE-3 / P-EAGLE heads (an EAGLE-1 head has no aux states, fc norms or lm_head of its own)"
+            )
+        return Eagle1Draft(Eagle1Config.from_target_config(target_config))
+    parallel = {}
+    if cfg.head.kind == "peagle":
+        parallel = {
+            "num_hidden_layers": cfg.head.num_layers,
+            "mask_token_id": mask_token_id(cfg, target_config),
+        }
+    config = Eagle3Config.from_target_config(
+        target_config,
+        aux_layer_ids=cache_manifest["aux_layer_ids"],
+        draft_vocab_size=vocab.draft_vocab_size,
+        **{flag: bool(getattr(cfg.head, flag)) for flag in NORM_FLAGS},
+        **parallel,
+    )
+    return Eagle3Draft(config)
+
+
+@torch.no_grad()
+def init_lm_head(cfg, draft, target_lm_head_VH: torch.Tensor, draft_to_target: torch.Tensor) -> None:
+    """`head.lm_head_init` and `head.freeze_lm_head` (EAGLE-3 / P-EAGLE heads).
+
+    `target`: the lm_head starts as the target's rows of the draft vocabulary and the final norm as the
+    target's, so the head starts decoding as the target does (speculators' recipe; it freezes the rows).
+    """
+    if cfg.head.lm_head_init not in ("random", "target"):
+        raise ValueError(f"head.lm_head_init={cfg.head.lm_head_init!r}: choose random or target")
+    if cfg.head.lm_head_init == "target":
+        draft.lm_head.weight.copy_(target_lm_head_VH[draft_to_target].float())
+        draft.norm.weight.copy_(load_final_norm(cfg.target))
+    if cfg.head.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
+
+
+def mask_token_id(cfg, target_config) -> int:
+    """P-EAGLE's mask token: `head.mask_token_id`, else the target's pad token, else its (first) eos token.
+
+    An existing token, frozen: vLLM feeds the mask slots the target's own embedding of this id, so a learned
+    mask embedding would mean shipping a whole embedding table; the learned `mask_hidden` (A*H wide,
+    through `fc`) carries what the slots need to learn.
+    """
+    if cfg.head.mask_token_id is not None:
+        return int(cfg.head.mask_token_id)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(target_config, name, None)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int):
+            return value
+    raise ValueError(
+        f"target {cfg.target.path}: its config names no pad or eos token; give P-EAGLE's mask token with "
+        "head.mask_token_id=<token id>"
+    )
+
+
+CACHE_IDENTITY = ("aux_layer_ids", "tokenizer_hash", "dataset_fingerprint", "data_source", "num_samples",
+                  "num_tokens", "regeneration")  # fmt: skip
+
+
+def head_record(
+    cfg, draft, cache_dir, cache_manifest: dict, num_steps: int, world: int, held_out
+) -> HeadRecord:
+    """draft_config.json of the final head: what it is, what it drafts for, what it was trained on and how."""
+    return HeadRecord(
+        kind=cfg.head.kind,
+        config=draft.config,
+        target={"path": str(cfg.target.path), "hash": cache_manifest["target_hash"]},
+        cache={"path": str(cache_dir), **{k: cache_manifest.get(k) for k in CACHE_IDENTITY}},
+        training={
+            "num_steps": num_steps,
+            "num_processes": world,
+            "settings": OmegaConf.to_container(
+                OmegaConf.masked_copy(cfg, ["head", "optim", "train"]), resolve=True
+            ),
+            "held_out": held_out,
+        },
+    )
