@@ -34,10 +34,11 @@ from artifacts.manifest import (
     write_json_atomic,
 )
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
+from data_prep.conversation import Conversation
 from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards
 from data_prep.regenerate import regen_settings, regenerate_rank_share
 from data_prep.render import render_all
-from data_prep.sources import Conversation, describe_sources, load_conversations, split_key
+from data_prep.sources import describe_sources, load_conversations, split_key
 from target.launch import make_accelerator, setup_logging
 from target.model import (
     load_config,

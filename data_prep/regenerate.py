@@ -18,6 +18,7 @@ from pathlib import Path
 
 from artifacts.cache import file_sha256
 from artifacts.manifest import write_json_atomic
+from target.vllm import EngineSettings, llm_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,11 @@ def start_engine(target_path: str, cfg, device_index: int | None = None):
     if device_index is not None:
         # One engine per rank, on that rank's GPU: the engine process inherits this variable.
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device_index)
-    return LLM(model=target_path, seed=cfg.seed, **dict(cfg.vllm_kwargs))
+    # No counters to read here: the offline engine keeps its stats off, as it does by default.
+    settings = EngineSettings(
+        target_path, None, dict(cfg.vllm_kwargs), "regen.vllm_kwargs", seed=cfg.seed, log_stats=False
+    )
+    return LLM(**llm_kwargs(settings))
 
 
 def regenerate_conversations(llm, conversations, cfg):

@@ -1,18 +1,17 @@
-"""Read chat conversations from local files or the Hugging Face hub and normalize them.
+"""Load the conversations of `data.source` (or every source of `data.mix`) for training.
 
-`load_conversations(cfg.data)` turns ShareGPT (`conversations: [{from, value}]`), OpenAI
-(`messages: [{role, content}]`) or custom-field records into `Conversation`s shaped
-`[system] user assistant (user assistant)*`, the shape the chat template and the loss mask expect.
+`load_conversations(cfg.data)` checks the data settings, reads each source's raw records
+(`data_prep/records.py`), turns each record into a `Conversation` shaped
+`[system] user assistant (user assistant)*` (`data_prep/conversation.py`) and keeps the usable ones.
 Records that cannot be used are skipped and counted by reason; a conversation identical to an earlier
 one (after normalisation, whatever its id or file) is kept once (`duplicate_conversation`). Truncated or
 corrupt JSON files keep their complete records and are reported (or raise, with `strict=true`), because
 real dumps often ship cut off.
 
-`cfg.source` is a .json / .jsonl / .parquet file, a glob of them, a directory of them (subdirectories
-included), a directory written by `datasets` `save_to_disk`, or otherwise a Hugging Face hub dataset
-name. `cfg.mix` lists several such sources instead (e.g. ShareGPT and UltraChat), each with its own
+`cfg.mix` lists several sources instead of `cfg.source` (e.g. ShareGPT and UltraChat), each with its own
 split, format, field names and `num_samples`; they are read in order and each one's ids are prefixed
-with its name.
+with its name. The fingerprint of the result, and `split_key`, which decides the held-out split, are
+here too.
 
 The data_prep stage calls `load_conversations` from its `run(cfg)`; to inspect a source by hand:
 
@@ -23,34 +22,30 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import hashlib
 import json
 import logging
-import os
 import re
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
 
-import datasets
 from omegaconf import MISSING
 
 from artifacts.config import DataConfig, DataSourceConfig
-from artifacts.prompts import NonTextContent, content_text, first_turn_prompt
-from data_prep.record_files import ProblemReporter, read_file
+from artifacts.prompts import first_turn_prompt
+from data_prep.conversation import (
+    Conversation,
+    SkippedRecord,
+    canonical_json,
+    extract_turns,
+    normalize_messages,
+    record_id,
+)
+from data_prep.records import read_records
 
 logger = logging.getLogger(__name__)
 
-FILE_EXTENSIONS = (".json", ".jsonl", ".parquet")
 FORMATS = ("auto", "sharegpt", "openai", "fields")
 ROLES = ("system", "user", "assistant")
-
-
-@dataclass
-class Conversation:
-    id: str  # `id_field` of the record, else a hash of the messages; `name/` first in a mix; unique in a load
-    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
 
 
 @dataclass
@@ -59,14 +54,6 @@ class LoadedConversations:
     skipped: collections.Counter  # reason -> number of records skipped for it
     problems: list[str]  # one line per file-level problem, naming the file and the line or byte offset
     fingerprint: str  # sha256 over ids + messages in order: changes whenever the training data does
-
-
-class SkippedRecord(Exception):
-    """A record that cannot become a conversation; `reason` is its key in `LoadedConversations.skipped`."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 class UniqueIds:
@@ -258,190 +245,10 @@ def check_source_config(entry: DataConfig | DataSourceConfig, where: str) -> Non
         raise ValueError(f"{where}.num_samples must be >= 1 or null (all), got {entry.num_samples}")
 
 
-# Sources: where the raw records come from.
-
-
-def read_records(
-    cfg: DataConfig | DataSourceConfig, report_problem: ProblemReporter, where: str = "data"
-) -> Iterator[Any]:
-    """Yield the raw records of `cfg.source` in a fixed order (files sorted by path)."""
-    source = str(cfg.source)
-    local = os.path.expanduser(source)
-    if os.path.isdir(local) and is_saved_dataset(local):
-        yield from read_saved_dataset(local, cfg.split, where)
-    elif os.path.exists(local) or looks_like_path(source):
-        turn_fields = ("conversations", "messages", cfg.messages_field)
-        for path in find_data_files(source, where):
-            yield from read_file(path, turn_fields, report_problem)
-    else:
-        yield from read_hub_dataset(source, cfg.split, where)
-
-
-def looks_like_path(source: str) -> bool:
-    # Hub names are `owner/name`, so a slash alone does not make a path; these do.
-    return (
-        os.path.isabs(source)
-        or source.startswith((".", "~"))
-        or source.lower().endswith(FILE_EXTENSIONS)
-        or any(char in source for char in "*?[")
-    )
-
-
-def is_saved_dataset(directory: str) -> bool:
-    # The files `Dataset.save_to_disk` and `DatasetDict.save_to_disk` always write.
-    return any(os.path.isfile(os.path.join(directory, name)) for name in ("state.json", "dataset_dict.json"))
-
-
-def find_data_files(source: str, where: str = "data") -> list[str]:
-    """The .json/.jsonl/.parquet files a path, glob or directory names, sorted so runs repeat."""
-    local = os.path.expanduser(source)
-    if os.path.isdir(local):  # subdirectories too: a dump split into folders is read whole
-        matches = sorted(
-            path
-            for path in glob.glob(os.path.join(glob.escape(local), "**", "*"), recursive=True)
-            if os.path.isfile(path)
-        )
-    elif os.path.isfile(local):
-        matches = [local]
-    else:
-        matches = sorted(path for path in glob.glob(local, recursive=True) if os.path.isfile(path))
-    data_files = [path for path in matches if path.lower().endswith(FILE_EXTENSIONS)]
-    others = [path for path in matches if path not in data_files]
-    if data_files and others:
-        logger.info("%s.source=%r: not reading %d files that are not %s, e.g. %s",
-                    where, source, len(others), "/".join(FILE_EXTENSIONS), others[:3])  # fmt: skip
-    if not data_files:
-        found = f"; it matches only {matches[:5]}" if matches else ""
-        raise ValueError(
-            f"{where}.source={source!r} names no {'/'.join(FILE_EXTENSIONS)} file, glob of them, directory "
-            f"of them or `save_to_disk` directory{found}"
-        )
-    return data_files
-
-
-def read_saved_dataset(directory: str, split: str, where: str = "data") -> Iterator[dict]:
-    loaded = datasets.load_from_disk(directory)
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise ValueError(f"{directory} holds splits {sorted(loaded)}; {where}.split={split!r} is not one")
-        loaded = loaded[split]
-    yield from loaded
-
-
-def read_hub_dataset(name: str, split: str, where: str = "data") -> Iterator[dict]:
-    try:
-        dataset = datasets.load_dataset(name, split=split)
-    except Exception as err:  # hub, network and format errors all mean the same thing to the user
-        raise ValueError(
-            f"{where}.source={name!r} is not a local file or directory, and loading it as a Hugging Face "
-            f"hub dataset (split={split!r}) failed: {err}"
-        ) from err
-    yield from dataset
-
-
-def extract_turns(record: Any, cfg: DataConfig | DataSourceConfig) -> list[tuple[Any, Any]]:
-    """The record's turns as (source role, content) pairs, read with the keys of its format."""
-    if not isinstance(record, dict):
-        raise SkippedRecord("malformed_record")
-    if cfg.format == "sharegpt":
-        turns_field, role_key, content_key = cfg.messages_field or "conversations", "from", "value"
-    elif cfg.format == "openai":
-        turns_field, role_key, content_key = cfg.messages_field or "messages", "role", "content"
-    elif cfg.format == "fields":
-        turns_field, role_key, content_key = cfg.messages_field, cfg.role_field, cfg.content_field
-    else:
-        # auto. Parquet/Arrow rows carry every column of the file, so an absent field reads as None.
-        candidates = [cfg.messages_field] if cfg.messages_field else ["conversations", "messages"]
-        turns_field = next((name for name in candidates if record.get(name) is not None), candidates[0])
-        role_key, content_key = None, None
-
-    turns = record.get(turns_field)
-    if not isinstance(turns, list):
-        raise SkippedRecord("malformed_record")
-    if not turns:
-        raise SkippedRecord("empty_conversation")
-    if role_key is None:
-        first = turns[0] if isinstance(turns[0], dict) else {}
-        if first.get("from") is not None:
-            role_key, content_key = "from", "value"
-        elif first.get("role") is not None:
-            role_key, content_key = "role", "content"
-        else:
-            role_key, content_key = cfg.role_field, cfg.content_field
-
-    pairs = []
-    for turn in turns:
-        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
-            raise SkippedRecord("malformed_record")
-        pairs.append((turn[role_key], turn[content_key]))
-    return pairs
-
-
-def normalize_messages(
-    turns: list[tuple[Any, Any]],
-    role_map: dict[str, str],
-    system_prompt: str | None,
-    max_turns: int | None = None,
-) -> list[dict[str, str]]:
-    """Map roles, check `[system] user assistant (user assistant)*`, drop orphan leading answers and an
-    unanswered last question, keep the first `max_turns` exchanges."""
-    messages = []
-    for source_role, content in turns:
-        if not isinstance(source_role, str):
-            raise SkippedRecord("malformed_record")
-        role = role_map.get(source_role.strip().lower())
-        if role is None:
-            raise SkippedRecord("unknown_role")
-        try:
-            text = content_text(content)  # a string, or OpenAI text parts joined
-        except NonTextContent:
-            raise SkippedRecord("non_text_content") from None
-        if text is None:
-            raise SkippedRecord("malformed_record")
-        messages.append({"role": role, "content": text})
-
-    system = messages[:1] if messages[0]["role"] == "system" else []
-    after_system = messages[len(system) :]
-    # ShareGPT dumps often begin with an answer whose question was cut off (about a third of ShareGPT
-    # V3): that answer has no prompt to condition on, so it is dropped and the rest is kept.
-    while after_system and after_system[0]["role"] == "assistant":
-        after_system = after_system[1:]
-    messages = system + after_system
-    if not after_system:
-        raise SkippedRecord("no_assistant_turn")
-    for index, message in enumerate(after_system):
-        if message["role"] != ("user" if index % 2 == 0 else "assistant"):
-            raise SkippedRecord("not_alternating")
-    if max_turns is not None:
-        messages = messages[: len(system) + 2 * max_turns]
-    if messages[-1]["role"] == "user":
-        messages.pop()  # a question with no answer gives the draft nothing to learn
-    assistant_turns = [message for message in messages if message["role"] == "assistant"]
-    if not assistant_turns:
-        raise SkippedRecord("no_assistant_turn")
-    if any(not message["content"].strip() for message in assistant_turns):
-        raise SkippedRecord("empty_assistant_turn")
-    if system_prompt and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return messages
-
-
-def record_id(record: dict, messages: list[dict[str, str]], id_field: str | None) -> str:
-    value = record.get(id_field) if id_field else None
-    if value is not None and str(value).strip():
-        return str(value)
-    # Content-derived, so the same conversation keeps its id (and its train/eval side) across runs.
-    return hashlib.sha256(canonical_json(messages)).hexdigest()[:16]
-
-
 def split_key(conversation: Conversation) -> str:
     """What the train / held-out split hashes: the prompt (system message and first user turn), so that
     conversations sharing a prompt land on one side and no held-out prompt was trained on."""
     return hashlib.sha256(canonical_json(first_turn_prompt(conversation.messages))).hexdigest()
-
-
-def canonical_json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 def fingerprint_conversations(conversations: list[Conversation]) -> str:

@@ -4,11 +4,11 @@ list of token-id prompts (`/v1/completions`, `stream: true`), with client-side t
     results, duration_s = asyncio.run(run_load(url, model, prompts, concurrency=4, max_tokens=128))
     summary = summarize(results, duration_s)
 
-Latency definitions (DESIGN.md section 6): TTFT = first chunk - send; TPOT = (last chunk - first chunk) /
-(tokens - 1), per token; ITL = gaps between engine steps as the client sees them. vLLM streams the tokens
-of one verify step as separate chunks arriving together, so chunks closer than STEP_GAP_S are one step:
-with speculative decoding ITL is per verify step, without it per token. A failed request is counted and
-reported; the run goes on.
+Latency definitions (docs/design.md#acceptance-metrics-and-economics): TTFT = first chunk - send;
+TPOT = (last chunk - first chunk) / (tokens - 1), per token; ITL = gaps between engine steps as the client
+sees them. vLLM streams the tokens of one verify step as separate chunks arriving together, so chunks
+closer than STEP_GAP_S are one step: with speculative decoding ITL is per verify step, without it per
+token. A failed request is counted and reported; the run goes on.
 """
 
 from __future__ import annotations

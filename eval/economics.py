@@ -1,5 +1,6 @@
-"""Speculative-decoding economics (Leviathan et al.; DESIGN.md section 6): predict the speedup from the
-measured acceptance and draft cost, set it beside the measured speedup, and recommend k per workload.
+"""Speculative-decoding economics (Leviathan et al.; docs/design.md#acceptance-metrics-and-economics):
+predict the speedup from the measured acceptance and draft cost, set it beside the measured speedup, and
+recommend k per workload.
 
 With per-position acceptance alpha (i.i.d. model), k drafts and draft cost c (one draft pass over one
 target step): tokens per verify step = (1 - alpha^(k+1)) / (1 - alpha), speedup = that / (k c + 1) for
@@ -8,8 +9,8 @@ per round) and for ngram (prompt lookup: no model pass; c is what verifying k+1 
 
 What is measured here, per run with a head, against the baseline on the same prompts and concurrency:
 - alpha: the i.i.d. rate that solves (1 - alpha^(k+1)) / (1 - alpha) = the measured mean acceptance
-  length (DESIGN.md section 6) - never a geometric mean of per-position rates, which is 0 as soon as one
-  position was never accepted;
+  length (docs/design.md#acceptance-metrics-and-economics) - never a geometric mean of per-position
+  rates, which is 0 as soon as one position was never accepted;
 - c (effective): a verify step lasts TPOT x mean acceptance length; over the baseline's TPOT (one target
   step) it is 1 + (draft passes) c. On a GPU the k+1 verified tokens ride on idle compute; on a CPU, or at
   high concurrency, verifying them costs more than one step, and this c carries that cost too.

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from export.to_vllm import speculative_config
 from heads.head_file import read_record
+from heads.kinds import head_kind
 from target.vllm import printable_serve_command, served_settings
 
 
@@ -141,7 +142,7 @@ def model_card(
     speculative = speculative_config(kind, export_dir, num_speculative_tokens)
     target_path = Path(target["path"]).expanduser()
     target_path = str(target_path.resolve()) if target_path.exists() else target["path"]  # else a hub name
-    name = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "eagle1": "EAGLE-1"}[kind]
+    name = head_kind(kind).title
     num_layers = c.get("num_hidden_layers", 1)
     drafting = (
         "parallel drafting: all k drafts of a round in one forward pass"

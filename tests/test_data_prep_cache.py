@@ -59,7 +59,8 @@ def test_disk_per_token_is_within_the_bf16_states_budget(smoke_run):
     shards = [s for v in manifest["splits"].values() for s in v["shards"]]
     num_bytes = sum(s["num_bytes"] for s in shards)
     num_tokens = sum(manifest["num_tokens"].values())
-    budget = 2 * (len(AUX_IDS) + 1) * 256  # DESIGN.md section 8: bf16 aux + final states, nothing more
+    # docs/design.md#data-scale (disk): bf16 aux + final states, nothing more
+    budget = 2 * (len(AUX_IDS) + 1) * 256
     assert num_bytes <= budget * num_tokens
     assert num_bytes > 0.95 * budget * num_tokens  # and not by leaving states out
 

@@ -1,4 +1,5 @@
-"""Tests for data_prep/sources.py: source kinds, record formats, skip reasons, ids, robust JSON reading."""
+"""Tests for data_prep/sources.py, records.py and conversation.py: source kinds, record formats, skip
+reasons, ids, robust JSON reading."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from artifacts.config import DataConfig, DataSourceConfig
-from data_prep import sources
+from data_prep import records, sources
 from data_prep.sources import load_conversations
 
 # Non-ASCII text makes byte offsets and character offsets differ, so the tests can tell them apart.
@@ -187,7 +188,7 @@ def test_hub_name_goes_to_load_dataset(monkeypatch):
         calls.append((name, split))
         return datasets.Dataset.from_list([qa("hub")])
 
-    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(records.datasets, "load_dataset", fake_load_dataset)
     loaded = load("someone/sharegpt-clean", split="train_sft")
     assert calls == [("someone/sharegpt-clean", "train_sft")]
     assert loaded.conversations[0].id == "hub"
@@ -492,7 +493,7 @@ def test_mix_hub_entries_use_their_own_split(monkeypatch):
         calls.append((name, split))
         return datasets.Dataset.from_list([ultrachat(split, ("user", f"q {split}"), ("assistant", "a"))])
 
-    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(records.datasets, "load_dataset", fake_load_dataset)
     entries = [
         DataSourceConfig(name=split, source="org/chat", split=split, format="openai", id_field="prompt_id")
         for split in ("train_sft", "train_gen")
@@ -514,7 +515,7 @@ def test_the_gpu_recipes_mix_reads_the_hub_datasets_in_their_published_shapes(mo
         ],
     }
     monkeypatch.setattr(
-        sources.datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(hub[(name, split)])
+        records.datasets, "load_dataset", lambda name, split: datasets.Dataset.from_list(hub[(name, split)])
     )
     for experiment in ("llama31_8b", "qwen3_8b"):
         cfg = compose("config", [f"experiment={experiment}", "run_dir=/tmp/x"])

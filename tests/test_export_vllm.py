@@ -18,8 +18,8 @@ from export.verify import VerificationError, verify_export
 from heads.reference_decoder import load_head
 from target.model import load_tokenizer
 from tests.conftest import rewrite_head_weights, smoke_config
-from train.main import run as train
 from train.losses import parallel_forward
+from train.main import run as train
 
 
 def trained(source, tmp_path_factory, name, *overrides, experiment="smoke"):

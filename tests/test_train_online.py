@@ -16,7 +16,7 @@ from data_prep.main import run as data_prep
 from target.model import load_model, weights_bytes
 from tests.conftest import REPO, smoke_config
 from tests.test_train_loop import FAST, PEAGLE, assert_same_head, step_losses, train_config
-from train.main import online_states
+from train.data import online_states
 from train.main import run as train
 
 ONLINE = ("cache.hidden_states=false", "train.features=online")

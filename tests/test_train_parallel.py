@@ -8,8 +8,7 @@ import torch
 
 from tests.test_eagle3_head import random_draft
 from tests.test_eagle3_head import tiny_config as head_tiny_config
-from train.losses import cod_anchors, parallel_forward, parallel_loss
-from train.losses import ttt_loss
+from train.losses import cod_anchors, parallel_forward, parallel_loss, ttt_loss
 
 torch.set_num_threads(1)
 

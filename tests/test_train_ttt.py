@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
+from heads.acceptance import chain_counts, conditional_accuracies, expected_acceptance_length
+from heads.attention import attention
 from heads.eagle3 import Eagle3Config, Eagle3Draft
 from tests.test_eagle3_head import random_draft  # noqa: E402
 from tests.test_eagle3_head import tiny_config as head_tiny_config  # noqa: E402
-from heads.acceptance import chain_counts, conditional_accuracies, expected_acceptance_length
-from heads.attention import attention
 from train.losses import (
     step_loss,
     step_valid_mask,
