@@ -4,31 +4,22 @@ Pure functions on tensors (no I/O, no Accelerator), tested on CPU. Each drives t
 `forward` (heads/), once per drafting step, with a `heads.attention.KVCache` in steps mode that holds the
 keys of earlier steps (docs/design.md#training-time-test):
 
-- TTT (`ttt_loss`): at step k the draft at position t reads the embedding of x_{t+1+k} and, as hidden state,
-  `fc(aux_t)` at step 0 or its own output of step k-1 (pre-norm, post-norm with `norm_output`; not
-  detached), at RoPE position t + k; it predicts x_{t+2+k} against the target's distribution at t+1+k
-  restricted to the draft vocabulary. Its attention sees step 0's keys at positions <= t plus the keys of
-  steps 1..k at t.
+- TTT (`ttt_loss`): step k at position t reads x_{t+1+k} beside `fc(aux_t)` (step 0) or its own output of
+  step k-1 (`carry`, not detached), at RoPE position t + k, and predicts x_{t+2+k} against the target's
+  draft-vocabulary distribution at t+1+k; it sees step 0's keys at <= t and steps 1..k's keys at t.
 - Parallel drafting (`parallel_loss`, docs/design.md#p-eagle): in one draft forward of a round the verified
   slot at anchor t reads (x_{t+1}, `fc(aux_t)`) at position t, exactly as TTT's step 0; the K-1 mask slots
   vLLM appends read (mask token, `fc(mask_hidden)`) at t+1..t+K-1 and see the real keys at <= t and the slots
   before them. Same teacher, loss and metrics as TTT; unlike TTT a slot's input does not depend on earlier
-  slots' outputs. COD (the P-EAGLE paper's anchor subsampling): with `cod_ratio` r < 1, depth d >= 1 runs
-  only at ~T*r^d anchors, nested in depth d-1's (answer positions first).
-- EAGLE-1 (`eagle1_loss`, docs/design.md#the-draft-heads): `SmoothL1(f_pred, f_true) + 0.1 * CE(soft
-  target)`, noise U(-0.1, 0.1) on the input features. At t the draft reads cat(embed(x_{t+1}), f_t) and
-  predicts f_{t+1}, i.e. the target's distribution over x_{t+2}: the same shift as TTT's step 0, so
-  position t has a loss iff x_{t+2} is a real assistant token. (SafeAILab's script masks with
-  loss_mask[t], two tokens early; the shifted mask trains exactly the drafts verified on assistant text.)
+  slots' outputs. COD (P-EAGLE's anchor subsampling, `cod_ratio` r < 1): depth d >= 1 at ~T*r^d anchors.
+- EAGLE-1 (`eagle1_loss`, docs/design.md#the-draft-heads): SmoothL1(f_pred, f_true) + 0.1 * soft CE, noise
+  U(-0.1, 0.1) on the input features; f_{t+1} predicted at t decodes x_{t+2}: TTT's step-0 shift and mask.
 
-    total, metrics = ttt_loss(draft, batch, num_steps=7, gamma=0.8, target_lm_head=w_VH,
-                              draft_to_target=vocab.draft_to_target, chunk_size=1024)
-    total, metrics = parallel_loss(draft, batch, num_depths=3, ...same..., cod_ratio=0.7)
-    total, metrics = eagle1_loss(draft, batch, target_lm_head=w_VH, chunk_size=1024, generator=g)
+    total, metrics = ttt_loss(draft, batch, 7, 0.8, target_lm_head_VH, vocab.draft_to_target, 1024)
+    total, metrics = parallel_loss(...same..., cod_ratio=0.7)  /  eagle1_loss(draft, batch, w_VH, 1024)
 
-Shape legend:
-    B batch, T positions, M anchors kept at a depth (or valid positions), H hidden, A aux layers,
-    K steps, V target vocab, Vd draft vocab, C rows in a chunk, S = T - 1 positions with a next feature.
+Shape legend: B batch, T positions, M anchors kept at a depth (or valid positions), H hidden, A aux layers,
+K steps, V target vocab, Vd draft vocab, C rows in a chunk, S = T - 1 positions with a next feature.
 """
 
 from __future__ import annotations
@@ -158,6 +149,8 @@ def depth_losses(
     outs[k] is [B, T, H] (every position an anchor) or, with anchors[k] = index_BM, [B, M, H] at those
     anchor positions. Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
     """
+    if not gamma > 0:
+        raise ValueError(f"gamma={gamma}: the weight of draft position k's loss (gamma^k) must be positive")
     input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
     attention_mask_BT = batch.get("attention_mask")
     total = torch.zeros((), device=input_ids_BT.device)
@@ -226,8 +219,6 @@ def ttt_loss(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
-    if not gamma > 0:
-        raise ValueError(f"gamma={gamma}: the step weight must be positive")
     probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
     return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator)
@@ -287,8 +278,6 @@ def parallel_loss(
     """total = sum_d gamma^d loss_d over the K parallel depths; the batch and metrics as `ttt_loss`'s."""
     if num_depths < 1:
         raise ValueError(f"num_depths={num_depths}: parallel drafting needs at least one depth")
-    if not gamma > 0:
-        raise ValueError(f"gamma={gamma}: the depth weight must be positive")
     if not model.config.parallel_drafting:
         raise ValueError("parallel_loss needs a head with a mask_token_id (head.kind=peagle)")
     anchors = cod_anchors(batch["loss_mask"], num_depths, cod_ratio, generator)
@@ -304,7 +293,7 @@ def add_feature_noise(
 
     The noise comes from `generator` (or the global RNG when None), so restoring that RNG state on resume
     replays it. EAGLE's noise stands in for the draft's own prediction errors, which it reads back at
-    inference. (SafeAILab's script also scales it by 512 / T; DESIGN fixes the plain U(-0.1, 0.1).)
+    inference. (SafeAILab's script also scales it by 512 / T; docs/design.md#the-draft-heads fixes plain U(-0.1, 0.1).)
     """
     if noise_range < 0:
         raise ValueError(f"noise_range={noise_range}: the half-width of the uniform noise must be >= 0")
