@@ -50,8 +50,8 @@ from artifacts.vocab import load_vocab_map
 from target.launch import make_accelerator
 from target.model import load_config, load_embedding_and_lm_head
 from train.data import check_cache_matches_target, collate, plan_epoch
-from train.main import DraftWithLoss, build_draft
 from train.losses import teacher_probs
+from train.model import DraftWithLoss, build_draft
 
 MB = 2**20
 

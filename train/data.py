@@ -1,5 +1,6 @@
-"""Batches from the cache: a deterministic plan of optimizer steps, padding, and the target's hidden
-states computed online when the cache holds none (`train.features=online`).
+"""Batches from the cache: a check that the cache suits the target, a deterministic plan of optimizer
+steps, padding, and the target's hidden states computed online when the cache holds none
+(`train.features=online`).
 
 The plan depends only on the sample lengths, the seed and the epoch, so a resumed run replays exactly
 the batches of an uninterrupted one, and a global batch is the same samples whatever the number of
@@ -11,8 +12,56 @@ from __future__ import annotations
 
 import torch
 
-from artifacts.cache import HIDDEN_DTYPE
-from target.model import target_hidden_states
+from artifacts.cache import HIDDEN_DTYPE, CacheSplit
+from target.model import load_model, target_dir, target_hidden_states, weights_bytes, weights_hash
+
+# Online training refuses a target taking more than this share of a GPU's free memory: the rest is the
+# head, its optimizer state, the teacher's lm_head and the activations of a micro-batch.
+ONLINE_TARGET_SHARE = 0.6
+
+
+def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None:
+    """Refuse a cache made for another target or other layers before any training."""
+    found = {
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "num_hidden_layers": target_config.num_hidden_layers,
+        "target_hash": weights_hash(target_dir(cfg.target)),
+    }
+    if cfg.cache.aux_layer_ids is not None:
+        found["aux_layer_ids"] = list(cfg.cache.aux_layer_ids)
+    differing = [k for k, v in found.items() if cache_manifest.get(k) != v]
+    if differing:
+        lines = [
+            f"  {k}: cache has {cache_manifest.get(k)!r}, config/target has {found[k]!r}" for k in differing
+        ]
+        raise ValueError(
+            f"{cfg.run_dir}/cache was made for another target or layers than train is given "
+            f"(target.path={cfg.target.path}):\n" + "\n".join(lines)
+        )
+
+
+def train_lengths(cfg, train_split: CacheSplit) -> list[int]:
+    """Lengths of the samples this run trains on: the split, or its first `train.num_samples`."""
+    if cfg.train.num_samples is not None and not 0 < cfg.train.num_samples <= len(train_split):
+        raise ValueError(
+            f"train.num_samples={cfg.train.num_samples}: the cache's train split holds {len(train_split)} samples"
+        )
+    return train_split.lengths[: cfg.train.num_samples]
+
+
+def count_steps(cfg, train_split: CacheSplit, num_processes: int) -> tuple[int, int]:
+    """(optimizer steps of the run, steps per epoch): train.num_epochs epochs, at most train.max_steps."""
+    steps_per_epoch = len(
+        plan_epoch(
+            train_lengths(cfg, train_split), cfg.train.batch_size, num_processes,
+            cfg.train.gradient_accumulation_steps, cfg.seed, 0,
+        )
+    )  # fmt: skip
+    num_steps = cfg.train.num_epochs * steps_per_epoch
+    if cfg.train.max_steps:
+        num_steps = min(num_steps, cfg.train.max_steps)
+    return num_steps, steps_per_epoch
 
 
 def plan_epoch(
@@ -57,6 +106,42 @@ class OnlineStates:
         aux_BTNH = aux_BTNH.to(HIDDEN_DTYPE).float() * has_next_BT[:, :, None, None]
         final_BTH = final_BTH.to(HIDDEN_DTYPE).float() * real_BT[:, :, None]
         return aux_BTNH, final_BTH
+
+
+def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | None:
+    """The frozen target for `train.features=online` (None for `cache`), after checking that the cache suits
+    the mode: online needs a tokens-only cache, cache mode a cache with hidden states.
+
+    The target is loaded whole on every rank, in `target.dtype`, beside the head: DeepSpeed / DDP wrap only
+    the head, so ZeRO-3 does not shard it. A target that does not fit on the device is refused here.
+    """
+    cache_dir = train_split.cache_dir
+    if cfg.train.features == "cache":
+        if not train_split.hidden_states:
+            raise ValueError(
+                f"{cache_dir} holds no hidden states (data_prep ran with cache.hidden_states=false): train "
+                "with train.features=online (the target runs in each training step), or rerun data_prep "
+                "with cache.hidden_states=true into another run_dir"
+            )
+        return None
+    if train_split.hidden_states:
+        raise ValueError(
+            f"train.features=online, but {cache_dir} holds the target's hidden states already: train on them "
+            "with train.features=cache (the target's forwards are paid for), or make a tokens-only cache "
+            "(data_prep with cache.hidden_states=false) in another run_dir"
+        )
+    device = torch.device(accelerator.device)
+    if device.type == "cuda":
+        needed, free = weights_bytes(cfg.target), torch.cuda.mem_get_info(device)[0]
+        if needed > ONLINE_TARGET_SHARE * free:
+            raise ValueError(
+                f"train.features=online: the target {cfg.target.path} takes {needed / 1e9:.1f} GB in "
+                f"target.dtype={cfg.target.dtype}, more than {ONLINE_TARGET_SHARE:.0%} of the "
+                f"{free / 1e9:.1f} GB free on {device}, and every rank holds it whole beside the head (it "
+                "is not sharded); use GPUs with more memory, or train.features=cache (data_prep caches "
+                "the hidden states, rank by rank, with cache.hidden_states=true)"
+            )
+    return OnlineStates(load_model(cfg.target, device), train_split.manifest["aux_layer_ids"])
 
 
 def collate(samples: list[dict[str, torch.Tensor]], device, states: OnlineStates | None = None):

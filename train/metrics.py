@@ -1,0 +1,152 @@
+"""What the training loop measures and records: each step's metric sums and loss, the records and the
+status line it logs every N steps, and the held-out evaluation (loss, accuracy, conditional accuracy and
+expected acceptance length per drafting depth).
+
+    <run_dir>/train_steps.jsonl   one record per optimizer step (what resume and golden-loss tests compare)
+    <run_dir>/train_eval.jsonl    one record per held-out evaluation
+    W&B (train.report_to=wandb)   train/* every train.log_every steps, eval/* every train.eval_every
+
+Used by `fit` in train/main.py; everything taking the accelerator runs on every rank (it reduces).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from artifacts.cache import CacheSplit
+from heads.acceptance import conditional_accuracies, expected_acceptance_length
+from train.checkpoint import checkpoint_dirs
+from train.data import collate
+
+log = logging.getLogger("train")  # the loop's own logger: its lines read `train: ...`
+
+
+def start_trackers(accelerator, cfg, cache_manifest: dict, run_dir: Path) -> None:
+    """Open the run in accelerate's trackers (W&B when train.report_to=wandb), with the config and the
+    cache's manifest as the run's config."""
+    accelerator.init_trackers(
+        cfg.train.wandb_project,
+        config={
+            **OmegaConf.to_container(cfg, resolve=True),
+            "cache_manifest": {k: v for k, v in cache_manifest.items() if k != "splits"},
+        },
+        init_kwargs={"wandb": {"dir": str(run_dir), "mode": cfg.train.wandb_mode, "name": run_dir.name}},
+    )
+
+
+def add_step_metrics(sums_3K: torch.Tensor, metrics: dict, denominator: torch.Tensor) -> None:
+    """Add one micro-batch's loss sum, valid positions and correct drafts at each depth k to `sums_3K`."""
+    for k in range(sums_3K.shape[1]):
+        n = metrics[f"num_valid_{k}"].float()
+        sums_3K[:, k] += torch.stack([metrics[f"loss_{k}"] * denominator, n, metrics[f"acc_{k}"] * n])
+
+
+def weighted_loss(sums_3K: torch.Tensor, gamma: float) -> float:
+    """The step's loss as the objective weighs it: the mean at depth k, weighted gamma**k, summed."""
+    weights_K = torch.tensor([gamma**k for k in range(sums_3K.shape[1])], device=sums_3K.device)
+    return float((sums_3K[0] / sums_3K[1].clamp(min=1) * weights_K).sum())
+
+
+def check_finite(loss: float, grad_norm, step: int, ckpt_dir: Path) -> None:
+    """Stop before a non-finite loss or gradient reaches the weights, naming the checkpoint to go back to."""
+    if not math.isfinite(loss) or not math.isfinite(float(grad_norm)):
+        last = checkpoint_dirs(ckpt_dir)
+        raise FloatingPointError(
+            f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {float(grad_norm)}); "
+            f"the last good checkpoint is {last[-1] if last else 'none (no checkpoint yet)'}"
+        )
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One JSON line; the main rank's job."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train_record(sums_3K: torch.Tensor, loss: float, lr: float, grad_norm, tok_per_s: float) -> dict:
+    """The `train/*` metrics of a step: loss, learning rate, gradient norm, throughput, and the loss and
+    accuracy at each depth."""
+    num_depths = sums_3K.shape[1]
+    record = {
+        "train/loss": loss,
+        "train/lr": lr,
+        "train/grad_norm": float(grad_norm),
+        "train/tok_per_s": tok_per_s,
+    }
+    record |= {
+        f"train/loss_{k}": float(sums_3K[0, k] / sums_3K[1, k].clamp(min=1)) for k in range(num_depths)
+    }
+    record |= {f"train/acc_{k}": float(sums_3K[2, k] / sums_3K[1, k].clamp(min=1)) for k in range(num_depths)}
+    return record
+
+
+def log_status(step: int, record: dict) -> None:
+    """The status line: `step | loss | acc@0..K | lr | grad | tok/s`."""
+    num_depths = sum(key.startswith("train/acc_") for key in record)
+    accs = " ".join(f"{record[f'train/acc_{k}']:.2f}" for k in range(num_depths))
+    log.info(
+        "step %d | loss %.4f | acc@0..%d %s | lr %.2e | grad %.2f | %.0f tok/s",
+        step, record["train/loss"], num_depths - 1, accs, record["train/lr"], record["train/grad_norm"],
+        record["train/tok_per_s"],
+    )  # fmt: skip
+
+
+def record_eval(accelerator, run_dir: Path, step: int, measured: dict) -> dict:
+    """Log held-out metrics measured at `step` (trackers, train_eval.jsonl, a status line); returns the
+    record."""
+    result = {"step": step, **measured}
+    accelerator.log(result, step=step)
+    if accelerator.is_main_process:
+        append_record(run_dir / "train_eval.jsonl", result)
+    log.info(
+        "eval step %d | acc@0 %.3f | acceptance length (k=3) %.3f",
+        step, result["eval/acc_0"], result.get("eval/accept_len_k3", float("nan")),
+    )  # fmt: skip
+    return result
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int, states=None
+) -> dict | None:
+    """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts;
+    None without a held-out split (data.eval_fraction=0): not measured, never zeros from zero samples."""
+    if not len(eval_split):
+        return None
+    model.eval()
+    sums = torch.zeros(3, num_steps, device=accelerator.device)  # per step: ce sum, valid, correct
+    chain = torch.zeros(2, num_steps, device=accelerator.device)  # per depth: chain hits, chain totals
+    world = accelerator.num_processes
+    mine = list(range(accelerator.process_index, len(eval_split), world))
+    # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively: a rank with one
+    # batch fewer would leave the others waiting forever); a rank out of samples reruns its first batch
+    # and discards it.
+    num_batches = math.ceil(math.ceil(len(eval_split) / world) / batch_size)
+    for index in range(num_batches):
+        ids = mine[index * batch_size : (index + 1) * batch_size]
+        samples = [eval_split[i] for i in (ids or mine[:batch_size] or [0])]
+        batch = collate(samples, accelerator.device, states)
+        with accelerator.autocast():
+            _, metrics = model(batch, denominator=1.0)  # per-step sums
+        if not ids:
+            continue
+        for k in range(num_steps):
+            n = metrics[f"num_valid_{k}"].float()
+            sums[:, k] += torch.stack([metrics[f"loss_{k}"].float(), n, metrics[f"acc_{k}"].float() * n])
+            chain[:, k] += torch.stack(
+                [metrics[f"chain_hits_{k}"].float(), metrics[f"chain_total_{k}"].float()]
+            )
+    sums, chain = accelerator.reduce(sums, "sum"), accelerator.reduce(chain, "sum")
+    model.train()
+    cond = conditional_accuracies(chain[0].long().cpu(), chain[1].long().cpu())
+    result = {f"eval/loss_{k}": float(sums[0, k] / sums[1, k].clamp(min=1)) for k in range(num_steps)}
+    result |= {f"eval/acc_{k}": float(sums[2, k] / sums[1, k].clamp(min=1)) for k in range(num_steps)}
+    result |= {f"eval/cond_acc_{k}": cond[k] for k in range(num_steps)}
+    result |= {f"eval/accept_len_k{n}": expected_acceptance_length(cond[:n]) for n in range(1, num_steps + 1)}
+    return result
