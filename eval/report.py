@@ -1,5 +1,5 @@
-"""The eval stage's report: its results dict (eval/main.py) as results.json, report.md, PNG plots and,
-optionally, an offline W&B run.
+"""The eval stage's report: its results dict (eval/main.py) as results.json, report.md, PNG plots
+(eval/plots.py) and, optionally, an offline W&B run.
 
     paths = write_report(results, out_dir)  # out_dir/results.json, report.md, plots/*.png
     log_to_wandb(results, paths, out_dir, project="eagle-heads")  # out_dir/wandb/offline-run-*
@@ -12,16 +12,18 @@ are written to results.json as null (JSON has no NaN).
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # eval runs on headless servers; set before pyplot picks a backend
-import matplotlib.pyplot as plt  # noqa: E402
+from eval.plots import write_plots
+from eval.results import (
+    acceptance,
+    best_at_lowest_concurrency,
+    clean,
+    is_number,
+    lowest_concurrency_runs,
+    ordered,
+    write_json,
+)
 
 RUN_COLUMNS = (
     "config, concurrency, mean acceptance length, draft acceptance rate, output tok/s, speedup, TTFT p50, "
@@ -41,28 +43,6 @@ LEGEND = (
 )
 
 
-def clean(value):
-    """`value` with every NaN or infinite float replaced by None, so that it is valid JSON."""
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [clean(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def write_json(path: Path, data: dict) -> None:
-    # Written whole then renamed: a reader (or a crash) never sees half a results.json.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(clean(data), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
-
-
 def fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return format(value, spec) + suffix if is_number(value) else "n/a"
 
@@ -70,36 +50,6 @@ def fmt(value, spec: str = ".2f", suffix: str = "") -> str:
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
-
-
-def ordered(items) -> list:
-    """Distinct items in order of first appearance (eval measures the baseline first, then k ascending)."""
-    return list(dict.fromkeys(items))
-
-
-def acceptance(run: dict) -> dict:
-    return run.get("acceptance") or {}
-
-
-def lowest_concurrency_runs(runs: list[dict]) -> list[dict]:
-    """Per (head config, workload): the run with acceptance counts at the lowest concurrency (1 when
-    measured), where the head's acceptance is least mixed with batching effects."""
-    best: dict[tuple, dict] = {}
-    with_heads = [r for r in runs if r["head"] is not None and acceptance(r)]
-    for r in sorted(with_heads, key=lambda r: r["concurrency"]):
-        best.setdefault((r["config"], r["workload"]), r)
-    return list(best.values())
-
-
-def best_at_lowest_concurrency(runs: list[dict], head: str, workload: str) -> dict | None:
-    """The head's fastest k at the lowest concurrency that has a speedup (eval/economics.recommend's pick)."""
-    mine = [
-        r for r in runs if r["head"] == head and r["workload"] == workload and is_number(r.get("speedup"))
-    ]
-    if not mine:
-        return None
-    lowest = min(r["concurrency"] for r in mine)
-    return max((r for r in mine if r["concurrency"] == lowest), key=lambda r: r["speedup"])
 
 
 def runs_section(runs: list[dict], workload: str) -> list[str]:
@@ -235,98 +185,6 @@ def render_report(results: dict, plots: dict[str, Path]) -> str:
     if compare := compare_section(runs, workloads):
         lines += ["", *compare]
     return "\n".join(lines) + "\n"
-
-
-def plot_acceptance(runs: list[dict]):
-    picked = [r for r in lowest_concurrency_runs(runs) if acceptance(r).get("per_position_acceptance")]
-    if not picked:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in picked:
-        values = [v if is_number(v) else math.nan for v in acceptance(r)["per_position_acceptance"]]
-        label = f"{r['config']} / {r['workload']} (c={r['concurrency']})"
-        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
-    ax.set(xlabel="draft position", ylabel="unconditional acceptance p_i", ylim=(0, 1.05))
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize=7)
-    return fig
-
-
-def plot_vs_concurrency(runs: list[dict], value: Callable[[dict], float | None], ylabel: str):
-    if not any(r["head"] is not None for r in runs):
-        return None  # these plots compare heads with the baseline; the runs table says the rest
-    if not any(is_number(value(r)) for r in runs):
-        return None  # nothing measured (eval.offline: acceptance only)
-    workloads = ordered(r["workload"] for r in runs)
-    head_of = {r["config"]: r["head"] for r in runs}
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
-    for ax, workload in zip(axes[0], workloads):
-        mine = sorted((r for r in runs if r["workload"] == workload), key=lambda r: r["concurrency"])
-        for config in ordered(r["config"] for r in mine):
-            points = [
-                (r["concurrency"], value(r)) for r in mine if r["config"] == config and is_number(value(r))
-            ]
-            if not points:
-                continue
-            style = {"color": "black", "linestyle": "--"} if head_of[config] is None else {}
-            ax.plot(*zip(*points), marker="o", label=config, **style)
-        ticks = ordered(r["concurrency"] for r in mine)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(c) for c in ticks])
-        ax.minorticks_off()
-        ax.set(title=workload, xlabel="concurrency", ylabel=ylabel)
-        ax.legend(fontsize=7)
-    return fig
-
-
-def plot_speedups(runs: list[dict]):
-    points = [
-        (r, e["predicted_speedup"], e["measured_speedup"])
-        for r in runs
-        if (e := r.get("economics"))
-        and is_number(e.get("predicted_speedup"))
-        and is_number(e.get("measured_speedup"))
-    ]
-    if not points:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 5))
-    for workload in ordered(r["workload"] for r, _, _ in points):
-        mine = [(r, p, m) for r, p, m in points if r["workload"] == workload]
-        ax.scatter([p for _, p, _ in mine], [m for _, _, m in mine], label=workload)
-        for r, p, m in mine:
-            label = f"{r['config']} c={r['concurrency']}"
-            ax.annotate(label, (p, m), xytext=(3, 3), textcoords="offset points", fontsize=6)
-    values = [v for _, p, m in points for v in (p, m)]
-    lo, hi = min(*values, 1.0) * 0.9, max(*values, 1.0) * 1.1
-    ax.plot([lo, hi], [lo, hi], color="gray", linestyle=":", label="measured = predicted")
-    ax.axhline(1.0, color="black", linewidth=0.5)  # below this line the head slows serving down
-    ax.set(xlabel="predicted speedup", ylabel="measured speedup", xlim=(lo, hi), ylim=(lo, hi))
-    ax.legend(fontsize=7)
-    return fig
-
-
-def write_plots(runs: list[dict], plots_dir: Path) -> dict[str, Path]:
-    """The plots there is something to draw for, as {name: path}."""
-    figures = {
-        "acceptance_per_position": plot_acceptance(runs),
-        "throughput_vs_concurrency": plot_vs_concurrency(
-            runs, lambda r: r.get("output_tokens_per_s"), "output tok/s"
-        ),
-        "itl_vs_concurrency": plot_vs_concurrency(
-            runs, lambda r: (r.get("itl_ms") or {}).get("p50"), "ITL p50 (ms)"
-        ),
-        "speedup_predicted_vs_measured": plot_speedups(runs),
-    }
-    paths = {}
-    for name, fig in figures.items():
-        if fig is None:
-            continue
-        plots_dir.mkdir(parents=True, exist_ok=True)
-        paths[name] = plots_dir / f"{name}.png"
-        fig.tight_layout()
-        fig.savefig(paths[name], dpi=120)
-        plt.close(fig)  # pyplot keeps every open figure alive otherwise
-    return paths
 
 
 def write_report(results: dict, out_dir: Path) -> dict[str, Path]:

@@ -1,0 +1,71 @@
+"""The sweep eval serves: the baseline, every (head, k) - a trained export or vLLM's ngram drafter - and,
+once the fixed-k runs are measured, each head's recommended per-batch-size k schedule. Each entry is one
+`vllm serve` configuration (eval/measure.py starts one server per entry); every head is checked against
+the target here, before any server starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from export.to_vllm import check_head_fits_target, read_export_config, speculative_config
+
+
+def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
+    """The baseline and every (head, k), each head checked against the target before any server starts."""
+    configs = (
+        [{"config": "baseline", "head": None, "k": 0, "speculative_config": None}]
+        if cfg.eval.baseline
+        else []
+    )
+    for head in cfg.eval.heads:
+        if head.method == "ngram":
+            drafting = "ngram"
+            lookup = {
+                "prompt_lookup_max": head.prompt_lookup_max,
+                "prompt_lookup_min": head.prompt_lookup_min,
+            }
+        elif head.method == "export":
+            path = Path(head.path or run_dir / "export")
+            kind, fields = read_export_config(path)
+            check_head_fits_target(path, fields, target_config)
+            drafting = "parallel" if kind == "peagle" else "chain"
+        else:
+            raise ValueError(f"eval.heads[{head.name}].method={head.method!r}: choose export or ngram")
+        for k in head.num_speculative_tokens:
+            if drafting == "ngram":
+                spec = {"method": "ngram", "num_speculative_tokens": int(k), **lookup}
+            else:
+                spec = speculative_config(kind, str(path), int(k))
+            configs.append(
+                {
+                    "config": f"{head.name} k={k}",
+                    "head": head.name,
+                    "k": int(k),
+                    "drafting": drafting,
+                    "speculative_config": spec,
+                }
+            )
+    return configs
+
+
+def schedule_configs(recommendations: list[dict], workloads, configs: list[dict] = ()) -> list[dict]:
+    """One config per head whose recommended k changes with the batch size: its deployable schedule (from
+    the first workload's recommendation), served once beside the fixed-k runs (`configs`: those runs')."""
+    first = workloads[0].name
+    drafting = {c["head"]: c.get("drafting") for c in configs}
+    schedules = []
+    for rec in recommendations:
+        deploy = rec.get("deploy") or {}
+        if rec["workload"] == first and "num_speculative_tokens_per_batch_size" in deploy:
+            schedules.append(
+                {
+                    "config": f"{rec['head']} schedule",
+                    "head": rec["head"],
+                    "k": deploy["num_speculative_tokens"],
+                    "drafting": drafting.get(rec["head"]),
+                    "schedule": deploy["num_speculative_tokens_per_batch_size"],
+                    "speculative_config": deploy,
+                }
+            )
+    return schedules

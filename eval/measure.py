@@ -1,0 +1,142 @@
+"""Measure every (server config, workload, concurrency) on real `vllm serve` servers, one server per config
+(eval/server.py): acceptance from the difference of the server's `/metrics` counters around each run
+(eval/prometheus.py), latency and throughput from the streaming client (eval/client.py). Each finished run
+is appended to <out_dir>/runs.jsonl under a key of everything that decides it, so an interrupted eval
+continues where it stopped; servers are always shut down (Ctrl-C and SIGTERM included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import signal
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from eval.client import run_load, summarize
+from eval.prometheus import acceptance_counts
+from eval.server import VllmServer
+
+
+def settings_key(cfg, config: dict, workload, concurrency: int) -> str:
+    """Identity of one measured run: a finished run with the same key is reused on a rerun."""
+    values = {
+        "config": config,
+        "workload": OmegaConf.to_container(workload),
+        "concurrency": concurrency,
+        "temperature": cfg.eval.temperature,
+        "ignore_eos": cfg.eval.ignore_eos,
+        "server_args": OmegaConf.to_container(cfg.eval.server_args),
+        "target": files_fingerprint(Path(str(cfg.target.path))),
+        "head": files_fingerprint(Path(config["speculative_config"]["model"]))
+        if config["head"] and "model" in config["speculative_config"]
+        else None,
+    }
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def files_fingerprint(directory: Path) -> str:
+    """Sizes and modification times of a model directory's weights and config: a re-exported head or a
+    replaced target gets a new key, so its old measurements are not reused (a hub id stands for itself)."""
+    files = (
+        sorted([*directory.glob("*.safetensors"), directory / "config.json"]) if directory.is_dir() else []
+    )
+    entries = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()]
+    return hashlib.sha256(json.dumps(entries or [str(directory)]).encode()).hexdigest()[:16]
+
+
+def read_finished(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    finished = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash: that run is measured again
+        finished[record["key"]] = record
+    return finished
+
+
+def measure(server: VllmServer, model: str, prompts, concurrency: int, workload, cfg) -> dict:
+    """One measured run on an idle server: counters before and after, latency from the client."""
+    before = acceptance_counts(server.metrics())
+    results, duration = asyncio.run(
+        run_load(
+            server.url,
+            model,
+            prompts,
+            concurrency,
+            workload.max_tokens,
+            cfg.eval.temperature,
+            cfg.eval.ignore_eos,
+            cfg.seed,
+            cfg.eval.request_timeout_s,
+        )
+    )
+    counts = acceptance_counts(server.metrics()) - before
+    return {**summarize(results, duration), "acceptance": counts.summary() if counts.num_drafts else None}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so every `with VllmServer` block shuts its server down."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated(f"signal {signum}")
+
+
+def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_dir: Path) -> list[dict]:
+    """Every (config, workload, concurrency) measured on real servers, one server per config; finished
+    runs come from <out_dir>/runs.jsonl instead."""
+    finished_file = out_dir / "runs.jsonl"
+    finished = read_finished(finished_file)
+    plan = [
+        (config, workload, int(concurrency), settings_key(cfg, config, workload, int(concurrency)))
+        for config in configs
+        for workload in cfg.eval.workloads
+        for concurrency in cfg.eval.concurrency
+    ]
+    runs = [finished[key]["run"] for *_, key in plan if key in finished]
+    bar = tqdm(total=len(plan), initial=len(runs), desc="eval runs", unit="run")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        for config in configs:
+            todo = [(w, c, key) for cf, w, c, key in plan if cf is config and key not in finished]
+            if not todo:
+                continue
+            log_path = out_dir / "logs" / f"{config['config'].replace(' ', '_').replace('=', '')}.log"
+            with VllmServer(
+                target_path,
+                log_path,
+                OmegaConf.to_container(cfg.eval.server_args, resolve=True),
+                config["speculative_config"],
+                startup_timeout_s=cfg.eval.startup_timeout_s,
+            ) as server:
+                model = str(target_path)
+                asyncio.run(run_load(server.url, model, [prompts[todo[0][0].name][0]], 1, 8))  # warm-up
+                for workload, concurrency, key in todo:
+                    bar.set_postfix_str(f"{config['config']} {workload.name} c={concurrency}")
+                    result = measure(server, model, prompts[workload.name], concurrency, workload, cfg)
+                    record = {
+                        "config": config["config"],
+                        "head": config["head"],
+                        "k": config["k"],
+                        "drafting": config.get("drafting"),
+                        "schedule": config.get("schedule"),
+                        "workload": workload.name,
+                        "concurrency": concurrency,
+                        **result,
+                    }
+                    runs.append(record)
+                    with open(finished_file, "a") as f:  # nothing measured is lost on a crash
+                        f.write(json.dumps({"key": key, "run": record}) + "\n")
+                    bar.update()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+
+    return runs
