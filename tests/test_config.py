@@ -35,11 +35,38 @@ def test_schema_rejects_a_wrongly_typed_value():
         compose("config", ["experiment=smoke", "run_dir=/tmp/x", "cache.max_shard_mb=lots"])
 
 
+def installed_env(subprocess_env) -> dict:
+    """The environment of a user's shell: the stages import from the installed package, not PYTHONPATH."""
+    return {k: v for k, v in subprocess_env.items() if k != "PYTHONPATH"}
+
+
+@pytest.mark.parametrize("stage", ["data_prep", "train", "export", "eval"])
+def test_entry_script_runs_from_the_installed_package(stage, tmp_path, subprocess_env):
+    # From another directory, no PYTHONPATH: every import of the stage resolves through `pip install -e .`
+    # (no entry script edits sys.path). --cfg job composes the config and prints it without running.
+    cmd = [
+        sys.executable,
+        str(REPO / stage / "main.py"),
+        "--cfg",
+        "job",
+        "experiment=smoke",
+        f"run_dir={tmp_path}",
+    ]
+    result = subprocess.run(
+        cmd, cwd=tmp_path, env=installed_env(subprocess_env), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"run_dir: {tmp_path}" in result.stdout
+    assert "sys.path" not in (REPO / stage / "main.py").read_text()
+
+
 def test_accelerate_launch_runs_the_stage(tmp_path, subprocess_env):
-    # The command users type, on one CPU process here.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "data_prep/main.py",
-           "experiment=smoke", f"run_dir={tmp_path}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env, capture_output=True, text=True, timeout=300)
+    # The command users type, on one CPU process here, from outside the repository and without PYTHONPATH.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+           str(REPO / "data_prep/main.py"), "experiment=smoke", f"run_dir={tmp_path}"]  # fmt: skip
+    result = subprocess.run(
+        cmd, cwd=tmp_path, env=installed_env(subprocess_env), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_manifest(tmp_path / "cache")["complete"] is True
     assert "caching" in result.stderr and "tok/s" in result.stderr  # the disk estimate and the progress bar

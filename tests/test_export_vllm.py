@@ -15,6 +15,7 @@ from export.main import run as export
 from export.main import verification_prompts
 from export.to_vllm import export_head, read_export
 from export.verify import VerificationError, verify_export
+from heads.head_file import read_record
 from heads.reference_decoder import load_head
 from target.model import load_tokenizer
 from tests.conftest import rewrite_head_weights, smoke_config
@@ -270,8 +271,7 @@ def verify_a_wrong_export(run_dir, kind, mistake, tmp_path, match) -> Verificati
     save_file(weights, str(out / "model.safetensors"))
     cfg = smoke_config(run_dir, experiment="smoke_regen")
     tokenizer = load_tokenizer(cfg.target)
-    head_config = json.loads((run_dir / "draft_head/draft_config.json").read_text())
-    prompts = verification_prompts(cfg, tokenizer, head_config, run_dir)
+    prompts = verification_prompts(cfg, tokenizer, read_record(run_dir / "draft_head"), run_dir)
     with pytest.raises(VerificationError, match=match) as caught:
         verify_export(
             target_dir, run_dir / "draft_head", out, kind, prompts, stop_token_ids(tokenizer, target_dir),

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, rewrite_head_weights, smoke_config
@@ -263,16 +263,16 @@ def test_a_full_disk_while_checkpointing_names_the_checkpoint_and_keeps_the_last
 
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(train_run, monkeypatch):
-    import train.main
+    import train.model
 
-    real_loss, calls = train.main.ttt_loss, []
+    real_loss, calls = train.model.ttt_loss, []
 
     def loss_that_diverges_at_step_6(*args, **kwargs):
         calls.append(1)
         total, metrics = real_loss(*args, **kwargs)
         return (total * float("nan") if len(calls) >= 6 else total), metrics
 
-    monkeypatch.setattr(train.main, "ttt_loss", loss_that_diverges_at_step_6)
+    monkeypatch.setattr(train.model, "ttt_loss", loss_that_diverges_at_step_6)
     with pytest.raises(FloatingPointError, match=r"at step 6 .*last good checkpoint is .*step-000004"):
         run(train_config(train_run, "train.eval_every=0"))
     assert [p.name for p in (train_run / "ckpt").glob("step-*")] == ["step-000004"]
@@ -426,18 +426,19 @@ def test_accelerate_config_files_load(name):
 def test_warm_start_carries_the_lm_head_over_by_token_when_the_draft_vocab_changes(tmp_path):
     # A code head warm-started from a chat head: the two data sets keep different frequent tokens.
     from artifacts.vocab import build_vocab_map, save_vocab_map
-    from train.checkpoint import HEAD_CONFIG, load_warm_start
+    from heads.head_file import HeadRecord, write_head
+    from tests.test_eagle3_head import tiny_config as head_tiny_config
+    from train.checkpoint import load_warm_start
 
     old_vocab = build_vocab_map(torch.tensor([9, 0, 8, 7, 0, 0]), 3)  # target ids 0, 2, 3
     new_vocab = build_vocab_map(torch.tensor([0, 0, 8, 7, 9, 0]), 3)  # target ids 2, 3, 4
     old_head = tmp_path / "old_head"
-    old_head.mkdir()
     old_lm_head = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])  # rows of target ids 0, 2, 3
-    save_file(
-        {"lm_head.weight": old_lm_head, "fc.weight": torch.ones(2, 2)}, str(old_head / "model.safetensors")
-    )
-    save_vocab_map(old_vocab, old_head / "vocab.safetensors")
-    (old_head / HEAD_CONFIG).write_text("{}")
+    save_vocab_map(old_vocab, tmp_path / "old_vocab.safetensors")
+    # A head file as train writes it (the record's config is any head's: only the weights are read here).
+    record = HeadRecord(kind="eagle3", config=head_tiny_config())
+    weights = {"lm_head.weight": old_lm_head, "fc.weight": torch.ones(2, 2)}
+    write_head(old_head, record, weights, tmp_path / "old_vocab.safetensors")
 
     draft = torch.nn.Module()
     draft.lm_head, draft.fc = torch.nn.Linear(2, 3, bias=False), torch.nn.Linear(2, 2, bias=False)
@@ -531,7 +532,7 @@ def test_aux_noise_perturbs_training_only(smoke_run):
     from artifacts.cache import CacheSplit
     from heads.eagle3 import Eagle3Config, Eagle3Draft
     from train.data import collate
-    from train.main import DraftWithLoss
+    from train.model import DraftWithLoss
 
     cfg = train_config(smoke_run, "head.aux_noise=0.05")
     batch = collate([CacheSplit(smoke_run / "cache", "train")[i] for i in range(2)], "cpu")
