@@ -50,7 +50,7 @@ from target.model import (
     weights_hash,
 )
 from target.reaper import leash
-from target.vllm_logs import vllm_log_file
+from target.vllm import vllm_log_file
 
 log = logging.getLogger("data_prep")
 SPLITS = ("train", "eval")

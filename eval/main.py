@@ -12,7 +12,7 @@ runs every workload at every concurrency with streaming requests (eval/measure.p
 run compiled, as users serve, unless `eval.server_args` says otherwise; baseline and heads always share the
 settings. Acceptance comes from the difference of the server's `/metrics` counters around each measured
 run (eval/prometheus.py), latency from client timestamps, speedup from output tokens/s against the
-baseline on the same prompts (eval/compare.py), and the predicted speedup from eval/economics.py, which
+baseline on the same prompts (eval/results.py), and the predicted speedup from eval/economics.py, which
 also turns the best k per concurrency into a deployable per-batch-size k schedule; eval serves that
 schedule once and measures it beside the fixed-k runs. Finished runs are appended to
 <out_dir>/runs.jsonl, so an interrupted eval continues where it stopped; servers are always shut down
@@ -31,12 +31,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from artifacts.config import check_config, register_configs
 from artifacts.prompts import stop_token_ids
-from eval.compare import add_comparisons, headline, headline_table, run_line
 from eval.economics import recommend
 from eval.grid import schedule_configs, server_configs
 from eval.measure import served_runs
 from eval.offline import offline_runs
 from eval.report import log_to_wandb, write_report
+from eval.results import add_comparisons, headline, headline_table, run_line
 from eval.server import ServerError
 from eval.workloads import workload_prompts
 from export.card import write_model_card

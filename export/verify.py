@@ -188,7 +188,7 @@ def verify_export(
 
     if not prompts:
         raise ValueError("verification needs at least one prompt")
-    from target.vllm_logs import vllm_log_file
+    from target.vllm import vllm_log_file
 
     start = time.perf_counter()
     with vllm_log_file(export_dir.parent / "logs" / f"{export_dir.name}_verify.log") as log_path:

@@ -1,4 +1,6 @@
-"""The settings vLLM starts the target with, defined once: data_prep's regeneration and export's
+"""The vLLM engine on the target: the settings it starts with, defined once, and the file its logs go to.
+
+The settings: data_prep's regeneration and export's
 verification (the offline engine, `vllm.LLM`), eval's servers and the model card's command (`vllm serve`)
 all describe their engine as an `EngineSettings` and turn it into arguments here, so the offline and the
 served engines cannot drift apart.
@@ -16,15 +18,28 @@ What the pipeline sets itself (the target, the head, the dtype, the seed, the co
 also come from the user's extra arguments: a second value would be silently dropped by one side or the
 other, so it is a ValueError naming the setting. vLLM itself is never imported here: this only builds
 arguments.
+
+The logs: vLLM's own lines go to a file, so the console keeps the pipeline's progress bars and summaries.
+vLLM configures its `vllm` logger when it is imported, and each engine-core process it spawns does the same
+from `VLLM_LOGGING_CONFIG_PATH`. Inside `vllm_log_file(path)` both write INFO and above to `path`: this
+process by swapping the logger's handlers, the engine processes through the variable they inherit. On an
+error the log's path is printed, so the cause is one `tail` away.
+
+    with vllm_log_file(run_dir / "logs" / "export_verify.log"):
+        llm = vllm.LLM(**llm_kwargs(settings))
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shlex
 import sys
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # `vllm serve` through the running Python's module: the venv's vLLM, on every build.
@@ -136,3 +151,47 @@ def vllm_entry_point() -> list[str]:
 def printable_serve_command(settings: EngineSettings) -> str:
     """The serve command to give users: runs as printed on this installation (tested by starting it)."""
     return shlex.join(serve_argv(settings, None, vllm_entry_point()))
+
+
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+
+
+@contextmanager
+def vllm_log_file(path: Path):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config_path = path.with_name(f".{path.name}.logging.json")
+    config_path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "disable_existing_loggers": False,
+                "formatters": {"vllm": {"format": LOG_FORMAT}},
+                "handlers": {
+                    "file": {"class": "logging.FileHandler", "filename": str(path), "formatter": "vllm"}
+                },
+                "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
+            }
+        )
+    )
+    previous_env = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_path)
+    logger = logging.getLogger("vllm")
+    previous = (logger.handlers[:], logger.propagate, logger.level)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+    try:
+        yield path
+    except BaseException:
+        print(f"vLLM's log: {path}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        logger.handlers, logger.propagate = previous[0], previous[1]
+        logger.setLevel(previous[2])
+        handler.close()
+        if previous_env is None:
+            os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
+        else:
+            os.environ["VLLM_LOGGING_CONFIG_PATH"] = previous_env
