@@ -122,10 +122,19 @@ class KVCache:
             layer.crop(length)
 
 
+def causal_attention(q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor) -> Tensor:
+    """`attention` of a plain causal pass (no cache, T == S) through PyTorch's fused kernel, which never
+    holds the [T, T] scores: EAGLE-1's loss and a prefill over long sequences."""
+    repeats = q_BNTD.shape[1] // k_BGTD.shape[1]  # query head n reads key/value head n // R, as above
+    k_BNTD = k_BGTD.repeat_interleave(repeats, dim=1)
+    v_BNTD = v_BGTD.repeat_interleave(repeats, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q_BNTD, k_BNTD, v_BNTD, is_causal=True)
+
+
 def attend(
     q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor, kv: LayerKV | None, anchors_BM: Tensor | None = None
 ) -> Tensor:
     """A decoder layer's attention: plain causal over these positions, or through its cache."""
     if kv is None:
-        return attention(q_BNTD, k_BGTD, v_BGTD)
+        return causal_attention(q_BNTD, k_BGTD, v_BGTD)
     return kv.attend(q_BNTD, k_BGTD, v_BGTD, anchors_BM)

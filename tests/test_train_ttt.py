@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from heads.acceptance import chain_counts, conditional_accuracies, expected_acceptance_length
-from heads.attention import attention
+from heads.attention import attention, causal_attention
 from heads.eagle3 import Eagle3Config, Eagle3Draft
-from tests.test_eagle3_head import random_draft  # noqa: E402
-from tests.test_eagle3_head import tiny_config as head_tiny_config  # noqa: E402
+from tests.test_eagle3_head import random_draft
+from tests.test_eagle3_head import tiny_config as head_tiny_config
 from train.losses import (
     step_loss,
     step_valid_mask,
@@ -67,6 +67,8 @@ def test_the_one_attention_with_earlier_steps_matches_dense_mask(num_kv_heads):
             ttt_dense_mask(t, step),
         )
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        if step == 0:  # the plain causal pass's fused kernel computes the same function
+            torch.testing.assert_close(causal_attention(qs[0], ks[0], vs[0]), ref, rtol=1e-5, atol=1e-5)
 
 
 def dense_rollout(model: Eagle3Draft, input_ids_T, aux_TAH, num_steps):
