@@ -2,8 +2,9 @@
 
 Every place a head attends - a plain causal pass (vLLM's prefill, the EAGLE-1 loss), the reference
 decoder's cached decoding, the training-time-test steps of EAGLE-3 and P-EAGLE's parallel depths - goes
-through `attention`: each query sees the keys at positions up to its own (causal) plus, optionally, a few
-keys of its own (the keys of earlier drafting steps at the same anchor), all in one softmax. The caller
+through `attend`: each query sees the keys at positions up to its own (causal) plus, optionally, a few
+keys of its own (the keys of earlier drafting steps at the same anchor), all in one softmax (`attention`;
+a plain causal pass without a cache takes PyTorch's fused kernel for the same function). The caller
 never builds a mask: a `KVCache` passed to the head's forward decides which keys each call adds and sees.
 
     cache = KVCache(num_layers)                       # decoding: every call continues the sequence
