@@ -67,9 +67,8 @@ def on_target(draft: DraftModel, target, draft_to_target: Tensor | None) -> Draf
     draft.load_target_embedding(target.get_input_embeddings().weight.detach().float())
     if hasattr(draft, "load_target_lm_head"):
         draft.load_target_lm_head(target.get_output_embeddings().weight.detach().float())
-    draft.float().eval().requires_grad_(False).to(
-        target.device
-    )  # the target's device (GPU when there is one)
+    # On the target's device (a GPU when there is one).
+    draft.float().eval().requires_grad_(False).to(target.device)
     return DraftHead(draft, None if draft_to_target is None else draft_to_target.to(target.device))
 
 
