@@ -89,11 +89,12 @@ def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> l
     from safetensors.torch import load_file
 
     from export.to_vllm import read_export_config
-    from heads.head_file import read_record
+    from heads.head_file import read_head
     from target.model import DTYPES
 
     _, fields = read_export_config(export_dir)
-    trained = read_record(head_dir).config.to_dict()
+    record, weights = read_head(head_dir)
+    trained = record.config.to_dict()
     # The export raises max_position_embeddings to the target's on purpose.
     differences = [
         f"{k}: export {fields[k]!r}, trained {trained[k]!r}"
@@ -101,7 +102,7 @@ def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> l
         if k in trained and k != "max_position_embeddings" and fields[k] != trained[k]
     ]
     exported = load_file(str(export_dir / "model.safetensors"))
-    for name, tensor in load_file(str(head_dir / "model.safetensors")).items():
+    for name, tensor in weights.items():
         if name not in exported:
             differences.append(f"{name}: missing from the export")
         elif not torch.equal(exported[name].float(), tensor.to(DTYPES[export_dtype]).float()):
