@@ -1,6 +1,6 @@
 # One command per job; each sets up what it needs from nothing (a virtual environment in .venv).
 #   make test     the default test suite (CPU, nothing downloaded at run time)
-#   make main     the main job: SmolLM2-135M + ShareGPT, every stage, ending in a vLLM measurement (<= 45 min)
+#   make main     the main job: SmolLM2-135M + ShareGPT, every stage, ending in a vLLM measurement (~45-55 min)
 #                 (make main PROFILE=quick: a first look in <= 10 min); rerun it to continue after an interrupt
 #   make smoke    every stage on the tiny smoke target
 #   make bench    data_prep and train benchmarks, online against cached training (smoke target and SmolLM2-135M)
