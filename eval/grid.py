@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from export.to_vllm import check_head_fits_target, read_export_config, speculative_config
+from heads.kinds import head_kind
 
 
 def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
@@ -29,7 +30,7 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
             path = Path(head.path or run_dir / "export")
             kind, fields = read_export_config(path)
             check_head_fits_target(path, fields, target_config)
-            drafting = "parallel" if kind == "peagle" else "chain"
+            drafting = head_kind(kind).drafting
         else:
             raise ValueError(f"eval.heads[{head.name}].method={head.method!r}: choose export or ngram")
         for k in head.num_speculative_tokens:

@@ -142,12 +142,10 @@ def model_card(
     speculative = speculative_config(kind, export_dir, num_speculative_tokens)
     target_path = Path(target["path"]).expanduser()
     target_path = str(target_path.resolve()) if target_path.exists() else target["path"]  # else a hub name
-    name = head_kind(kind).title
+    name, parallel = head_kind(kind).title, head_kind(kind).drafting == "parallel"
     num_layers = c.get("num_hidden_layers", 1)
     drafting = (
-        "parallel drafting: all k drafts of a round in one forward pass"
-        if kind == "peagle"
-        else "chain drafting"
+        "parallel drafting: all k drafts of a round in one forward pass" if parallel else "chain drafting"
     )
     lines = [
         f"# {name} draft head for {Path(target['path']).name}",
@@ -175,7 +173,7 @@ def model_card(
                 ["aux layer ids (vLLM convention)", c.get("aux_layer_ids", "final hidden state")],
                 ["norm_before_residual", c.get("norm_before_residual", "n/a")],
                 ["decoder layers", num_layers],
-                ["mask token id (parallel drafting)", c.get("mask_token_id") if kind == "peagle" else "n/a"],
+                ["mask token id (parallel drafting)", c.get("mask_token_id") if parallel else "n/a"],
             ],
         ),
         "",
@@ -200,8 +198,8 @@ def model_card(
                 ["optimizer steps", training.get("num_steps", "?")],
                 ["processes", training.get("num_processes", "?")],
                 [
-                    "parallel depths" if kind == "peagle" else "TTT steps",
-                    settings.get("head", {}).get("num_depths" if kind == "peagle" else "num_ttt_steps", "?"),
+                    "parallel depths" if parallel else "TTT steps",
+                    settings.get("head", {}).get("num_depths" if parallel else "num_ttt_steps", "?"),
                 ],
                 ["learning rate", settings.get("optim", {}).get("lr", "?")],
                 ["micro-batch per process", settings.get("train", {}).get("batch_size", "?")],

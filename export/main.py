@@ -24,7 +24,7 @@ from artifacts.config import check_config, register_configs
 from artifacts.manifest import write_json_atomic
 from artifacts.prompts import held_out_prompts, stop_token_ids
 from export.card import write_model_card
-from export.to_vllm import export_head
+from export.to_vllm import export_format, export_head
 from export.verify import VerificationError, verify_export
 from heads.head_file import HeadRecord, read_head
 from target.model import load_config, load_tokenizer, target_dir, weights_hash
@@ -68,7 +68,7 @@ def run(cfg: DictConfig) -> dict:
         cfg.export.num_speculative_tokens,
         head,
     )
-    fmt = "plain" if record.kind == "eagle1" else cfg.export.format
+    fmt = export_format(record.kind, cfg.export.format)
     log.info("exported %s (%s, %s format, %s)", out_dir, record.kind, fmt, cfg.export.dtype)
 
     verification, failure = None, None

@@ -127,9 +127,19 @@ def eagle3_speculators_config(
 def speculative_config(kind: str, model: str, num_speculative_tokens: int) -> dict:
     """vLLM's `--speculative-config` for an export of `kind`: P-EAGLE is method eagle3 with parallel drafting
     (explicit, so the plain format serves it too; the speculators `peagle` format turns it on by itself)."""
-    method = head_kind(kind).vllm_method
-    config = {"method": method, "model": model, "num_speculative_tokens": num_speculative_tokens}
-    return config | ({"parallel_drafting": True} if head_kind(kind).drafting == "parallel" else {})
+    head = head_kind(kind)
+    config = {"method": head.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens}
+    return config | ({"parallel_drafting": True} if head.drafting == "parallel" else {})
+
+
+def export_format(kind: str, requested: str) -> str:
+    """The config.json format a `kind` head is written in: `requested` (export.format), or the kind's only
+    format when it has one (EAGLE-1: plain); a format the kind lacks is a ValueError."""
+    formats = head_kind(kind).export_formats
+    fmt = formats[0] if len(formats) == 1 else requested
+    if fmt not in formats:
+        raise ValueError(f"format={fmt!r}: an {kind} head exports to {' or '.join(formats)}")
+    return fmt
 
 
 def export_head(
@@ -149,11 +159,8 @@ def export_head(
     """
     # Checksums, finite and sane weights: a corrupt head is refused here, whoever exports it.
     record, head_weights = head or read_head(head_dir)
-    kind, c = head_kind(record.kind), record.config.to_dict()
-    if len(kind.export_formats) == 1:
-        fmt = kind.export_formats[0]
-    if fmt not in kind.export_formats:
-        raise ValueError(f"format={fmt!r}: an {kind.name} head exports to {' or '.join(kind.export_formats)}")
+    kind, c = record.kind, record.config.to_dict()
+    fmt = export_format(kind, fmt)
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     check_head_fits_target(head_dir, c, target_config)
@@ -161,7 +168,7 @@ def export_head(
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
     for i in range(1, c.get("num_hidden_layers", 1)):  # vLLM loads a (here unused) hidden_norm per layer
         weights[f"layers.{i}.hidden_norm.weight"] = torch.ones(c["hidden_size"], dtype=DTYPES[dtype])
-    if kind.speculators_type is not None:  # EAGLE-3 and P-EAGLE: their own lm_head over the draft vocab
+    if "draft_vocab_size" in c:  # EAGLE-3 and P-EAGLE: their own lm_head over the draft vocabulary
         vocab = load_vocab_map(head_dir / "vocab.safetensors")
         if vocab.d2t is not None:  # only when pruned: vLLM refuses a d2t it does not need
             weights["d2t"] = vocab.d2t.to(torch.int64)

@@ -63,13 +63,6 @@ def head_kind(name: str, where: str = "head.kind") -> HeadKind:
     return KINDS[name]
 
 
-def kind_of(draft: DraftModel) -> str:
-    """The kind name of a built head."""
-    if isinstance(draft, Eagle1Draft):
-        return "eagle1"
-    return "peagle" if draft.parallel else "eagle3"
-
-
 def load_weights(draft: DraftModel, weights: dict[str, torch.Tensor], where) -> DraftModel:
     """Every weight the head has, none it lacks (the target's embedding aside), or a ValueError naming
     `where` (the file) and the tensors at fault."""
