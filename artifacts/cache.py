@@ -109,6 +109,23 @@ def read_complete_shard_info(path: Path) -> dict | None:
     return info if info is not None and file_sha256(path) == info.get("sha256") else None
 
 
+def read_shard_tokens(path: Path) -> list:
+    """The samples of one shard as (id, input_ids, loss_mask) records, states left unread."""
+    from types import SimpleNamespace
+
+    with safe_open(str(path), framework="pt") as f:
+        ids = json.loads(f.metadata()["eagle"])["sample_ids"]
+        offsets = f.get_tensor("sample_offsets").tolist()
+        tokens = f.get_tensor("input_ids").to(torch.int64).tolist()
+        mask = np.unpackbits(f.get_tensor("loss_mask_bits").numpy(), bitorder="little")[
+            : offsets[-1]
+        ].tolist()
+    return [
+        SimpleNamespace(id=i, input_ids=tokens[a:b], loss_mask=mask[a:b])
+        for i, a, b in zip(ids, offsets[:-1], offsets[1:])
+    ]
+
+
 class CacheSplit:
     """One split (`train` or `eval`) of a finished cache, indexed by sample, read lazily.
 

@@ -103,6 +103,21 @@ class RegenConfig:
 
 
 @dataclass
+class CaptureConfig:
+    """Where the cache's hidden states come from (data_prep; target/capture.py, docs/design.md#capture)."""
+
+    engine: str = "hf"  # hf: a transformers target, after regeneration | vllm: the serving engine (with
+    # regen.enabled, in the same pass that regenerates; else a prompt-only pass); targets beyond one device
+    tensor_parallel_size: int = 1  # devices per vLLM engine (one engine per data_prep process)
+    pipeline_parallel_size: int = 1  # refused above 1: vLLM 0.32 does not capture under pipeline parallel
+    transfer: str = "file"  # hs-connectors backend the states travel through: file | fp8 | mooncake
+    transfer_args: dict[str, Any] = field(default_factory=dict)  # that backend's settings (e.g. mooncake's)
+    batch_size: int = 256  # samples per vLLM call in a prompt-only pass
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra `vllm.LLM(...)` arguments of a
+    # prompt-only pass (when regenerating, the engine is regeneration's: regen.vllm_kwargs)
+
+
+@dataclass
 class CacheConfig:
     aux_layer_ids: list[int] | None = (
         None  # EAGLE-3 aux layers, vLLM ids; None: (2, L//2, L-3); [] for EAGLE-1 only
@@ -255,6 +270,7 @@ class PipelineConfig:
     data: DataConfig = field(default_factory=DataConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     regen: RegenConfig = field(default_factory=RegenConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -274,6 +290,9 @@ CHECKS = [
     ("train.num_samples", lambda v: v is None or v > 0, "> 0 or null (all)"),
     ("train.keep_last", *POSITIVE),
     ("train.features", lambda v: v in ("cache", "online"), "cache or online"),
+    ("capture.engine", lambda v: v in ("hf", "vllm"), "hf or vllm"),
+    ("capture.tensor_parallel_size", *POSITIVE),
+    ("capture.batch_size", *POSITIVE),
     ("train.eval_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("train.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
     ("optim.lr", *POSITIVE),

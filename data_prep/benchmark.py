@@ -25,7 +25,7 @@ import torch
 
 from artifacts.cache import write_shard
 from artifacts.config import compose
-from data_prep.hidden_states import compute_shard, pad_batch, plan_batches
+from data_prep.hidden_states import compute_shard, hf_states, pad_batch, plan_batches
 from data_prep.main import build_embedded_target
 from data_prep.render import render_all
 from data_prep.sources import load_conversations
@@ -81,10 +81,10 @@ def main() -> None:
     out_dir = Path(tempfile.mkdtemp(prefix="cache_bench_"))
 
     def caching():
-        shard = compute_shard(
-            model, samples, indices, aux_ids, cfg.cache.max_tokens_per_batch, tokenizer.pad_token_id or 0,
-            "cpu", lambda n: None,
-        )  # fmt: skip
+        states_of = hf_states(
+            model, aux_ids, cfg.cache.max_tokens_per_batch, tokenizer.pad_token_id or 0, "cpu"
+        )
+        shard = compute_shard(states_of, samples, indices, lambda n: None)
         return write_shard(out_dir / "shard-00000.safetensors", shard)
 
     decoder_forward()  # warm-up: first-call allocations and kernel selection

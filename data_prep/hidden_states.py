@@ -1,5 +1,6 @@
 """Run the target over rendered samples and write its hidden states to cache shards (or, with
-`cache.hidden_states=false`, the tokens and loss masks alone).
+`cache.hidden_states=false`, the tokens and loss masks alone). The states come from a transformers target
+(`capture.engine=hf`, `hf_states`) or from the vLLM engine (`capture.engine=vllm`, `vllm_states`).
 
 Shards are planned from the samples alone (never from the number of processes), and shard s is computed
 by rank s % world_size: any number of processes writes the same files, and a rerun skips every shard
@@ -70,45 +71,64 @@ def pad_batch(samples, indices, pad_id: int, device) -> tuple[torch.Tensor, torc
     return input_ids.to(device), attention_mask.to(device)
 
 
-def compute_shard(model, samples, indices, aux_layer_ids, max_tokens_per_batch, pad_id, device, on_tokens):
-    """The samples `indices`, in that order, with the target's hidden states, ready for `write_shard`;
-    `model` None: tokens and loss masks only (a cache for online training)."""
+def hf_states(model, aux_layer_ids, max_tokens_per_batch: int, pad_id: int, device):
+    """States from a transformers target: padded batches of similar length through one decoder forward."""
+
+    def states_of(samples, indices):
+        lengths = [len(s.input_ids) for s in samples]
+        for batch in plan_batches(indices, lengths, max_tokens_per_batch):
+            input_ids, attention_mask = pad_batch(samples, batch, pad_id, device)
+            aux_BTNH, final_BTH = target_hidden_states(model, input_ids, attention_mask, aux_layer_ids)
+            aux_BTNH, final_BTH = aux_BTNH.to("cpu", torch.bfloat16), final_BTH.to("cpu", torch.bfloat16)
+            # views: write_shard concatenates them into one copy
+            yield (
+                batch,
+                [(aux_BTNH[row, : lengths[i]], final_BTH[row, : lengths[i]]) for row, i in enumerate(batch)],
+            )
+
+    return states_of
+
+
+def vllm_states(engine, batch_size: int):
+    """States from a vLLM engine (target/capture.py): a prompt-only pass (one token sampled, then
+    dropped), `batch_size` samples per call, each file checked against the sample's token ids."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1)
+
+    def states_of(samples, indices):
+        for first in range(0, len(indices), batch_size):
+            batch = indices[first : first + batch_size]
+            outputs = engine.generate([samples[i].input_ids for i in batch], params)
+            states = [
+                engine.states(output, samples[i].input_ids, f"sample {samples[i].id!r}")
+                for i, output in zip(batch, outputs)
+            ]
+            yield batch, [(aux.to(torch.bfloat16), final.to(torch.bfloat16)) for aux, final in states]
+
+    return states_of
+
+
+def compute_shard(states_of, samples, indices, on_tokens):
+    """The samples `indices`, in that order, with the target's hidden states from `states_of` (hf_states or
+    vllm_states), ready for `write_shard`; `states_of` None: tokens and loss masks only (a cache for online
+    training)."""
     lengths = [len(s.input_ids) for s in samples]
-    if model is None:
+    results = {
+        i: {"id": samples[i].id, "input_ids": samples[i].input_ids, "loss_mask": samples[i].loss_mask}
+        for i in indices
+    }
+    if states_of is None:
         on_tokens(sum(lengths[i] for i in indices))
-        return [
-            {"id": samples[i].id, "input_ids": samples[i].input_ids, "loss_mask": samples[i].loss_mask}
-            for i in indices
-        ]
-    results = {}
-    for batch in plan_batches(indices, lengths, max_tokens_per_batch):
-        input_ids, attention_mask = pad_batch(samples, batch, pad_id, device)
-        aux_BTNH, final_BTH = target_hidden_states(model, input_ids, attention_mask, aux_layer_ids)
-        aux_BTNH, final_BTH = aux_BTNH.to("cpu", torch.bfloat16), final_BTH.to("cpu", torch.bfloat16)
-        for row, i in enumerate(batch):
-            n = lengths[i]
-            results[i] = {
-                "id": samples[i].id,
-                "input_ids": samples[i].input_ids,
-                "loss_mask": samples[i].loss_mask,
-                "aux_hidden": aux_BTNH[row, :n],  # views: write_shard concatenates them into one copy
-                "final_hidden": final_BTH[row, :n],
-            }
+        return [results[i] for i in indices]
+    for batch, states in states_of(samples, indices):
+        for i, (aux, final) in zip(batch, states):
+            results[i]["aux_hidden"], results[i]["final_hidden"] = aux, final
         on_tokens(sum(lengths[i] for i in batch))
     return [results[i] for i in indices]
 
 
-def cache_split(
-    model,
-    samples,
-    split_dir: Path,
-    shard_plan,
-    aux_layer_ids,
-    max_tokens_per_batch,
-    pad_id,
-    accelerator,
-    desc,
-) -> dict:
+def cache_split(states_of, samples, split_dir: Path, shard_plan, accelerator, desc) -> dict:
     """Compute and write this rank's shards of one split; finished shards are verified and kept."""
     split_dir.mkdir(parents=True, exist_ok=True)
     mine = [s for s in range(len(shard_plan)) if s % accelerator.num_processes == accelerator.process_index]
@@ -137,16 +157,7 @@ def cache_split(
     )
     start = time.perf_counter()
     for s in todo:
-        shard = compute_shard(
-            model,
-            samples,
-            shard_plan[s],
-            aux_layer_ids,
-            max_tokens_per_batch,
-            pad_id,
-            accelerator.device,
-            bar.update,
-        )
+        shard = compute_shard(states_of, samples, shard_plan[s], bar.update)
         write_shard(shard_path(split_dir, s), shard)
     bar.close()
     stats["seconds"] = time.perf_counter() - start

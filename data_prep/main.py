@@ -18,13 +18,14 @@ import json
 import logging
 import shutil
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from artifacts.cache import read_shard_sidecar, shard_path
+from artifacts.cache import read_shard_sidecar, read_shard_tokens, shard_path
 from artifacts.config import check_config, register_configs
 from artifacts.manifest import (
     FORMAT_VERSION,
@@ -34,11 +35,11 @@ from artifacts.manifest import (
     write_json_atomic,
 )
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
-from data_prep.conversation import Conversation
-from data_prep.hidden_states import bytes_per_token, cache_split, plan_shards
+from data_prep.capture import CapturedChunks, capture_engine, capture_layers, capture_record, storage_dir
+from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
 from data_prep.regenerate import regen_settings, regenerate_rank_share
 from data_prep.render import render_all
-from data_prep.sources import describe_sources, load_conversations, split_key
+from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging
 from target.model import (
     load_config,
@@ -76,14 +77,6 @@ def build_embedded_target(cfg) -> None:
         raise ValueError(f"target.build={cfg.build!r}: choose smoke, smollm2, smollm2_upgraded or null")
 
 
-SPLIT_BY = "prompt_sha256"  # what is_held_out hashes (a cache split another way is refused, not mixed)
-
-
-def is_held_out(conversation: Conversation, eval_fraction: float) -> bool:
-    """Deterministic split by content: the first 64 bits of the prompt's sha256 as a fraction of 2^64."""
-    return int(split_key(conversation)[:16], 16) < eval_fraction * 2**64
-
-
 def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, dataset_fingerprint) -> dict:
     """The fields a cache directory is tied to: reusing it with any of them changed is refused."""
     return {
@@ -102,6 +95,8 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         "draft_vocab_size": cfg.cache.draft_vocab_size,
         "draft_vocab_fill": cfg.cache.draft_vocab_fill,
         "hidden_states": cfg.cache.hidden_states,  # false: tokens only, for train.features=online
+        # hf | vllm: shards are laid out differently (vllm with regeneration: one per chunk and split)
+        "capture_engine": cfg.capture.engine if cfg.cache.hidden_states else None,
     }
 
 
@@ -189,14 +184,23 @@ def run(cfg: DictConfig) -> dict:
     accelerator.wait_for_everyone()
 
     conversations = loaded.conversations
-    regen_record = None
+    regen_record, chunk_shards = None, None
+    tdir = str(target_dir(cfg.target))
+    vllm_states_needed = cfg.capture.engine == "vllm" and cfg.cache.hidden_states
+    layers = capture_layers(cfg, target_config, aux_layer_ids) if vllm_states_needed else None
+    rank = accelerator.process_index
     if cfg.regen.enabled:
-        rank_name = f"data_prep_regen_rank{accelerator.process_index}"
-        # The engine never outlives this process, however it dies.
-        with vllm_log_file(run_dir / "logs" / f"{rank_name}.log"), leash(run_dir, rank_name):
-            conversations, regen_record = regenerate_rank_share(
-                conversations, str(target_dir(cfg.target)), cfg.regen, cache_dir / "regenerated", accelerator
+        rank_name = f"data_prep_regen_rank{rank}"
+        # One pass: the engine that regenerates captures the states (data_prep/capture.py).
+        chunks = CapturedChunks(cfg, tdir, layers, cache_dir, rank) if vllm_states_needed else None
+        # The engine and its files never outlive this process, however it dies.
+        storage = [storage_dir(cache_dir, rank)] if chunks else []
+        with vllm_log_file(run_dir / "logs" / f"{rank_name}.log"), leash(run_dir, rank_name, remove=storage):
+            regenerated = regenerate_rank_share(
+                conversations, tokenizer, tdir, cfg.regen, cache_dir / "regenerated", accelerator, chunks
             )
+        conversations, regen_record = regenerated[:2]
+        chunk_shards = regenerated[2] if chunks else None
         log.info("regenerated answers with the target: %s", regen_record)
 
     split_convs = {
@@ -204,12 +208,19 @@ def run(cfg: DictConfig) -> dict:
         "eval": [c for c in conversations if is_held_out(c, cfg.data.eval_fraction)],
     }
     samples, skipped, num_truncated = {}, Counter(loaded.skipped), 0
-    for split in SPLITS:
-        samples[split], split_skipped, truncated = render_all(
-            tokenizer, split_convs[split], cfg.render.max_length, cfg.render.overlong
-        )
-        skipped.update(split_skipped)
-        num_truncated += truncated
+    if chunk_shards is not None:  # the samples are in the shards already: read back their tokens
+        plans = {split: [chunk[split] for chunk in chunk_shards if split in chunk] for split in SPLITS}
+        samples = {split: [s for name in plans[split] for s in read_shard_tokens(cache_dir / split / name)]
+                   for split in SPLITS}  # fmt: skip
+        skipped.update({k: regen_record[k] for k in ("too_long", "no_loss_tokens") if k in regen_record})
+        num_truncated = regen_record.get("truncated", 0)
+    else:
+        for split in SPLITS:
+            samples[split], split_skipped, truncated = render_all(
+                tokenizer, split_convs[split], cfg.render.max_length, cfg.render.overlong
+            )
+            skipped.update(split_skipped)
+            num_truncated += truncated
     if not samples["train"]:
         raise ValueError(
             f"no training samples left from {describe_sources(cfg.data)} (skipped: {dict(skipped)})"
@@ -229,41 +240,46 @@ def run(cfg: DictConfig) -> dict:
         write_eval_conversations(cache_dir / "eval_conversations.jsonl", split_convs["eval"])
 
     token_bytes = bytes_per_token(len(aux_layer_ids), target_config.hidden_size, cfg.cache.hidden_states)
-    plans = {
-        split: plan_shards(
-            [len(s.input_ids) for s in samples[split]], token_bytes, cfg.cache.max_shard_mb * 2**20
-        )
-        for split in SPLITS
-    }
     num_tokens = {split: sum(len(s.input_ids) for s in samples[split]) for split in SPLITS}
-    log.info(
-        "caching %d train + %d eval samples, %d tokens in %d shards: at most %.2f GB on disk (%d bytes/token)",
-        len(samples["train"]),
-        len(samples["eval"]),
-        sum(num_tokens.values()),
-        sum(len(p) for p in plans.values()),
-        sum(num_tokens.values()) * token_bytes / 1e9,
-        token_bytes,
+    run_stats = (
+        {split: {"num_shards_from_regeneration": len(plans[split])} for split in SPLITS}
+        if chunk_shards
+        else {}
     )
-
-    if accelerator.is_main_process:
-        check_free_space(cache_dir, sum(num_tokens.values()) * token_bytes)
-    # Without hidden states (online training computes them) the target is never loaded here.
-    model = load_model(cfg.target, accelerator.device) if cfg.cache.hidden_states else None
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    run_stats = {}
-    for split in SPLITS:
-        run_stats[split] = cache_split(
-            model,
-            samples[split],
-            cache_dir / split,
-            plans[split],
-            aux_layer_ids,
-            cfg.cache.max_tokens_per_batch,
-            pad_id,
-            accelerator,
-            desc=f"cache {split}",
+    if chunk_shards is None:
+        plans = {
+            split: plan_shards(
+                [len(s.input_ids) for s in samples[split]], token_bytes, cfg.cache.max_shard_mb * 2**20
+            )
+            for split in SPLITS
+        }
+        log.info(
+            "caching %d train + %d eval samples, %d tokens in %d shards: at most %.2f GB on disk (%d bytes/token)",
+            len(samples["train"]),
+            len(samples["eval"]),
+            sum(num_tokens.values()),
+            sum(len(p) for p in plans.values()),
+            sum(num_tokens.values()) * token_bytes / 1e9,
+            token_bytes,
         )
+        if accelerator.is_main_process:
+            check_free_space(cache_dir, sum(num_tokens.values()) * token_bytes)
+        with states_source(
+            cfg, accelerator, run_dir, cache_dir, tokenizer, layers, aux_layer_ids
+        ) as states_of:
+            for split in SPLITS:
+                run_stats[split] = cache_split(
+                    states_of,
+                    samples[split],
+                    cache_dir / split,
+                    plans[split],
+                    accelerator,
+                    desc=f"cache {split}",
+                )
+        plans = {
+            split: [shard_path(cache_dir / split, i).name for i in range(len(plans[split]))]
+            for split in SPLITS
+        }
     accelerator.wait_for_everyone()
 
     manifest = {}
@@ -283,8 +299,9 @@ def run(cfg: DictConfig) -> dict:
             "skipped": dict(sorted(skipped.items())),
             "source_problems": loaded.problems,
             "regeneration_record": regen_record,
+            "capture": capture_record(cfg, layers),
             "splits": {
-                split: {"shards": collect_shards(cache_dir / split, len(plans[split]))} for split in SPLITS
+                split: {"shards": collect_shards(cache_dir / split, plans[split])} for split in SPLITS
             },
             "last_run": {"num_processes": accelerator.num_processes, **{s: run_stats[s] for s in SPLITS}},
         }
@@ -297,15 +314,38 @@ def run(cfg: DictConfig) -> dict:
     return manifest
 
 
-def collect_shards(split_dir: Path, num_shards: int) -> list[dict]:
+def collect_shards(split_dir: Path, names: list[str]) -> list[dict]:
     """Every shard's sidecar (checksum and counts); each was verified or written by this run."""
     infos = []
-    for index in range(num_shards):
-        info = read_shard_sidecar(shard_path(split_dir, index))
+    for name in names:
+        info = read_shard_sidecar(split_dir / name)
         if info is None:
-            raise RuntimeError(f"{shard_path(split_dir, index)} is missing or corrupt after caching")
+            raise RuntimeError(f"{split_dir / name} is missing or corrupt after caching")
         infos.append(info)
     return infos
+
+
+@contextmanager
+def states_source(cfg, accelerator, run_dir, cache_dir, tokenizer, layers, aux_layer_ids):
+    """Where the hidden states come from (data_prep/hidden_states.py): None without hidden states (online
+    training computes them), a transformers target (`capture.engine=hf`), or a vLLM engine on this rank
+    (`capture.engine=vllm`), stopped with its files however this process ends."""
+    if not cfg.cache.hidden_states:
+        yield None
+    elif cfg.capture.engine == "hf":
+        model = load_model(cfg.target, accelerator.device)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        yield hf_states(model, aux_layer_ids, cfg.cache.max_tokens_per_batch, pad_id, accelerator.device)
+    else:
+        rank = accelerator.process_index
+        storage, name = storage_dir(cache_dir, rank), f"data_prep_capture_rank{rank}"
+        device = accelerator.local_process_index if accelerator.device.type == "cuda" else None
+        with (
+            vllm_log_file(run_dir / "logs" / f"{name}.log"),
+            leash(run_dir, name, remove=[storage]),
+            capture_engine(cfg, str(target_dir(cfg.target)), layers, storage, device, False) as engine,
+        ):
+            yield vllm_states(engine, cfg.capture.batch_size)
 
 
 def write_eval_conversations(path: Path, conversations) -> None:

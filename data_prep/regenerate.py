@@ -18,6 +18,7 @@ from pathlib import Path
 
 from artifacts.cache import file_sha256
 from artifacts.manifest import write_json_atomic
+from data_prep.render import render_conversation
 from target.vllm import EngineSettings, llm_kwargs
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,10 @@ def regen_settings(cfg) -> dict:
 
 
 def start_engine(target_path: str, cfg, device_index: int | None = None):
+    """The plain regeneration engine (`capture.engine=hf`: the states are computed afterwards)."""
     from vllm import LLM
 
-    if device_index is not None:
-        # One engine per rank, on that rank's GPU: the engine process inherits this variable.
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(device_index)
+    select_devices(device_index)
     # No counters to read here: the offline engine keeps its stats off, as it does by default.
     settings = EngineSettings(
         target_path, None, dict(cfg.vllm_kwargs), "regen.vllm_kwargs", seed=cfg.seed, log_stats=False
@@ -46,17 +46,29 @@ def start_engine(target_path: str, cfg, device_index: int | None = None):
     return LLM(**llm_kwargs(settings))
 
 
-def regenerate_conversations(llm, conversations, cfg):
+def select_devices(first: int | None, count: int = 1) -> None:
+    """One engine per rank, on that rank's `count` GPUs from `first` on: the engine process inherits this."""
+    if first is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(count))
+
+
+def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
     """New conversations whose assistant turns are the target's answers, and counts of what happened.
 
-    A conversation is cut before the first turn the target answers with nothing, or whose prompt does
-    not fit the engine's `max_model_len` (and dropped if that is its first answer): an empty answer
-    teaches the draft nothing.
+    Each turn's prompt is rendered here with the target's chat template (data_prep/render.py) and sent as
+    token ids, so the engine reads exactly the tokens the cache will hold. A conversation is cut before the
+    first turn the target answers with nothing, or whose prompt does not fit the engine's `max_model_len`
+    (and dropped if that is its first answer): an empty answer teaches the draft nothing.
+
+    `capture` (a target/capture.CaptureEngine whose engine is `llm`): the states of every conversation are
+    captured in the same pass, from the request of its last answered turn, which holds every earlier turn as
+    its prompt. Returned then as a third value, one sample per conversation kept: its tokens (that prompt and
+    the answer's tokens but the last, which no forward pass reads), its loss mask (the earlier answers and
+    this one) and its aux and final states.
     """
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens)
-    tokenizer = llm.get_tokenizer()
     max_model_len = llm.llm_engine.model_config.max_model_len
     counts = Counter()
     # Each conversation as its system/user turns; answers are filled in round by round.
@@ -65,47 +77,82 @@ def regenerate_conversations(llm, conversations, cfg):
     history = [[m for m in u if m["role"] == "system"] for u in users]
     questions = [[m for m in u if m["role"] == "user"] for u in users]
     alive = [n > 0 for n in num_answers]
-    for turn in range(max(num_answers, default=0)):
-        batch, prompts = [], []
-        for i in range(len(conversations)):
-            if not (alive[i] and turn < num_answers[i]):
-                continue
-            prompt = history[i] + [questions[i][turn]]
-            # vLLM refuses a whole call over one prompt longer than the engine: leave those out here.
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            if len(tokenizer.encode(text, add_special_tokens=False)) >= max_model_len:
-                counts["prompt_too_long"] += 1
-                alive[i] = False
-                continue
-            batch.append(i)
-            prompts.append(prompt)
-        if not batch:
-            break
-        outputs = llm.chat(prompts, params, use_tqdm=True)
-        for i, prompt, output in zip(batch, prompts, outputs):
-            completion = output.outputs[0]
-            counts[f"finish_{completion.finish_reason}"] += 1
-            if not completion.text.strip():
-                counts["empty_answer"] += 1
-                alive[i] = False
-                continue
-            history[i] = prompt + [{"role": "assistant", "content": completion.text}]
+    last = {}  # conversation -> (its prompt, the output) of its last answered turn, while capturing
+    try:
+        for turn in range(max(num_answers, default=0)):
+            batch, prompts = [], []
+            for i, conv in enumerate(conversations):
+                if not (alive[i] and turn < num_answers[i]):
+                    continue
+                prompt = render_conversation(tokenizer, conv.id, history[i] + [questions[i][turn]], True)
+                # vLLM refuses a whole call over one prompt longer than the engine: leave those out here.
+                if len(prompt.input_ids) >= max_model_len:
+                    counts["prompt_too_long"] += 1
+                    alive[i] = False
+                    continue
+                batch.append(i)
+                prompts.append(prompt)
+            if not batch:
+                break
+            if capture is None:
+                outputs = llm.generate(token_prompts(prompts), params, use_tqdm=True)
+            else:
+                outputs = capture.generate([p.input_ids for p in prompts], params, with_output_tokens=True)
+            for i, prompt, output in zip(batch, prompts, outputs):
+                completion = output.outputs[0]
+                counts[f"finish_{completion.finish_reason}"] += 1
+                if not completion.text.strip():
+                    counts["empty_answer"] += 1
+                    alive[i] = False
+                    if capture is not None:
+                        capture.discard(output)
+                    continue
+                history[i] = history[i] + [
+                    questions[i][turn],
+                    {"role": "assistant", "content": completion.text},
+                ]
+                if capture is not None:
+                    if i in last:
+                        capture.discard(last[i][1])  # superseded: this turn's request holds that one's tokens
+                    last[i] = (prompt, output)
 
-    regenerated = []
-    for conv, messages, ok in zip(conversations, history, alive):
-        if any(m["role"] == "assistant" for m in messages):
+        regenerated, samples = [], []
+        for i, (conv, messages, ok) in enumerate(zip(conversations, history, alive)):
+            if not any(m["role"] == "assistant" for m in messages):
+                counts["conversations_dropped"] += 1
+                continue
             regenerated.append(type(conv)(id=conv.id, messages=messages))
             counts["conversations_cut_short"] += int(not ok)
-        else:
-            counts["conversations_dropped"] += 1
-    return regenerated, counts
+            if capture is not None:
+                prompt, output = last.pop(i)
+                answer = list(output.outputs[0].token_ids)[:-1]
+                ids = prompt.input_ids + answer
+                aux, final = capture.states(output, ids, f"conversation {conv.id!r}")
+                samples.append({"id": conv.id, "input_ids": ids, "loss_mask": prompt.loss_mask + [1] * len(answer),
+                                "aux_hidden": aux, "final_hidden": final, "conversation": regenerated[-1]})  # fmt: skip
+    finally:
+        for _, output in last.values():  # an error or an interrupt: no capture file is left behind
+            capture.discard(output)
+    return (regenerated, counts) if capture is None else (regenerated, counts, samples)
 
 
-def regenerate_rank_share(conversations, target_path: str, cfg, out_dir: Path, accelerator):
+def token_prompts(prompts):
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=p.input_ids) for p in prompts]
+
+
+def regenerate_rank_share(
+    conversations, tokenizer, target_path: str, cfg, out_dir: Path, accelerator, capture=None
+):
     """Regenerate this rank's chunks (reusing finished ones), then read every chunk in order.
 
     Returns the conversations and a record for the manifest: counts of what happened, the vLLM version
     and the checksum of each chunk file of regenerated conversations (in `out_dir`).
+
+    `capture` (data_prep/capture.CapturedChunks): the states are captured in the same pass and each chunk's
+    samples written as cache shards before its chunk file; a chunk counts as finished only when its
+    shards verify too.
     """
     import vllm
 
@@ -118,34 +165,57 @@ def regenerate_rank_share(conversations, target_path: str, cfg, out_dir: Path, a
     def chunk_path(c):
         return out_dir / f"chunk-{c:05d}-of-{len(chunks):05d}.json"
 
+    def finished(c):
+        if not chunk_path(c).exists():
+            return False
+        return capture is None or capture.verify(json.loads(chunk_path(c).read_text()).get("shards"))
+
     mine = range(rank, len(chunks), world)
-    todo = [c for c in mine if not chunk_path(c).exists()]
+    todo = [c for c in mine if not finished(c)]
     if len(todo) < len(mine):
         log.info("reusing %d finished chunk(s) of regenerated answers in %s", len(mine) - len(todo), out_dir)
     if todo:
         device_index = accelerator.local_process_index if accelerator.device.type == "cuda" else None
-        llm = start_engine(target_path, cfg, device_index)
-        for number, c in enumerate(todo):
-            log.info("regenerating chunk %d of %d (%d conversations; %d/%d of this rank's)",
-                     c + 1, len(chunks), len(chunks[c]), number + 1, len(todo))  # fmt: skip
-            new, counts = regenerate_conversations(llm, chunks[c], cfg)
-            write_json_atomic(
-                chunk_path(c),
-                {"counts": counts, "conversations": [{"id": x.id, "messages": x.messages} for x in new]},
-            )
-        del llm
-        gc.collect()
+        engine = (
+            start_engine(target_path, cfg, device_index) if capture is None else capture.start(device_index)
+        )
+        try:
+            for number, c in enumerate(todo):
+                log.info("regenerating chunk %d of %d (%d conversations; %d/%d of this rank's)",
+                         c + 1, len(chunks), len(chunks[c]), number + 1, len(todo))  # fmt: skip
+                record = {}
+                if capture is None:
+                    new, counts = regenerate_conversations(engine, tokenizer, chunks[c], cfg)
+                else:
+                    new, counts, samples = regenerate_conversations(
+                        engine.llm, tokenizer, chunks[c], cfg, engine
+                    )
+                    record["shards"] = capture.write(c, samples, counts)
+                record = {
+                    "counts": counts,
+                    **record,
+                    "conversations": [{"id": x.id, "messages": x.messages} for x in new],
+                }
+                write_json_atomic(chunk_path(c), record)
+        finally:
+            if capture is None:
+                del engine
+                gc.collect()
+            else:
+                capture.stop()
     accelerator.wait_for_everyone()
 
-    by_id, counts = {}, Counter()
+    by_id, counts, shards = {}, Counter(), []
     for c in range(len(chunks)):
         data = json.loads(chunk_path(c).read_text())
         counts.update(data["counts"])
         by_id.update({x["id"]: x["messages"] for x in data["conversations"]})
+        shards.append(data.get("shards"))
     counts = {
         **counts,
         "vllm_version": vllm.__version__,
         "files": {chunk_path(c).name: file_sha256(chunk_path(c)) for c in range(len(chunks))},
     }
     kind = type(conversations[0])
-    return [kind(id=c.id, messages=by_id[c.id]) for c in conversations if c.id in by_id], counts
+    regenerated = [kind(id=c.id, messages=by_id[c.id]) for c in conversations if c.id in by_id]
+    return (regenerated, counts) if capture is None else (regenerated, counts, shards)

@@ -27,6 +27,7 @@ class RenderedSample:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    truncated: bool = False  # cut to render.max_length
 
 
 def _template(tokenizer, messages, add_generation_prompt=False) -> str:
@@ -36,10 +37,10 @@ def _template(tokenizer, messages, add_generation_prompt=False) -> str:
 
 
 def assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict]
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False
 ) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant answer in it."""
-    full = _template(tokenizer, messages)
+    full = _template(tokenizer, messages, add_generation_prompt)
     spans = []
     cursor = 0
     for i, message in enumerate(messages):
@@ -73,10 +74,11 @@ def _search_answer(full: str, content: str, through: str, before: str, cursor: i
 
 
 def render_conversation(
-    tokenizer: PreTrainedTokenizerBase, conv_id: str, messages: list[dict]
+    tokenizer: PreTrainedTokenizerBase, conv_id: str, messages: list[dict], add_generation_prompt=False
 ) -> RenderedSample:
-    """Token ids of the chat-templated conversation and its assistant-only loss mask (untruncated)."""
-    text, spans = assistant_char_spans(tokenizer, messages)
+    """Token ids of the chat-templated conversation and its assistant-only loss mask (untruncated); with
+    `add_generation_prompt`, the prompt of the next answer (what regeneration sends the engine)."""
+    text, spans = assistant_char_spans(tokenizer, messages, add_generation_prompt)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = []
     span_index = 0
@@ -107,15 +109,24 @@ def render_all(
             log.warning("conversation %s: cannot render with the chat template: %s", conv.id, error)
             skipped["template_error"] += 1
             continue
-        if len(sample.input_ids) > max_length:
-            if overlong == "drop":
-                skipped["too_long"] += 1
-                continue
-            num_truncated += 1
-            sample.input_ids = sample.input_ids[:max_length]
-            sample.loss_mask = sample.loss_mask[:max_length]
-        if sum(sample.loss_mask) == 0:
-            skipped["no_loss_tokens"] += 1
-            continue
-        samples.append(sample)
+        sample = fit_length(sample, max_length, overlong, skipped)
+        if sample is not None:
+            num_truncated += sample.truncated
+            samples.append(sample)
     return samples, skipped, num_truncated
+
+
+def fit_length(sample: RenderedSample, max_length: int, overlong: str, skipped: Counter):
+    """The max-length policy on one sample: truncated (`sample.truncated` set), or None - dropped as too
+    long or for having nothing to train on, counted in `skipped` by reason."""
+    sample.truncated = len(sample.input_ids) > max_length
+    if sample.truncated:
+        if overlong == "drop":
+            skipped["too_long"] += 1
+            return None
+        sample.input_ids = sample.input_ids[:max_length]
+        sample.loss_mask = sample.loss_mask[:max_length]
+    if sum(sample.loss_mask) == 0:
+        skipped["no_loss_tokens"] += 1
+        return None
+    return sample

@@ -251,6 +251,14 @@ def split_key(conversation: Conversation) -> str:
     return hashlib.sha256(canonical_json(first_turn_prompt(conversation.messages))).hexdigest()
 
 
+SPLIT_BY = "prompt_sha256"  # what is_held_out hashes (a cache split another way is refused, not mixed)
+
+
+def is_held_out(conversation: Conversation, eval_fraction: float) -> bool:
+    """Deterministic split by content: the first 64 bits of the prompt's sha256 as a fraction of 2^64."""
+    return int(split_key(conversation)[:16], 16) < eval_fraction * 2**64
+
+
 def fingerprint_conversations(conversations: list[Conversation]) -> str:
     digest = hashlib.sha256()
     for conversation in conversations:

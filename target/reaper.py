@@ -15,7 +15,7 @@ dies - an exception, Ctrl-C, or SIGKILL, which no code in the dying process can 
 
 Linux only (/proc); elsewhere the leash does nothing but say so.
 
-    python -m target.reaper OWNER_PID OWNER_START RECORD [INTERVAL]   (started by `leash`, not by hand)
+    python -m target.reaper OWNER_PID OWNER_START RECORD [INTERVAL [DIR...]]   (started by `leash`)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,9 +121,9 @@ def stop_leftovers(record: Path) -> list[int]:
     return stopped
 
 
-def watch(owner: int, owner_start: int, record: Path, interval: float) -> None:
-    """The reaper's loop: snapshot while the owner lives, then stop what is left. SIGUSR1 (the owner's
-    normal exit) ends it without stopping anything."""
+def watch(owner: int, owner_start: int, record: Path, interval: float, remove: list[Path] = ()) -> None:
+    """The reaper's loop: snapshot while the owner lives, then stop what is left and delete `remove`.
+    SIGUSR1 (the owner's normal exit) ends it without stopping or deleting anything."""
     released = []
     signal.signal(signal.SIGUSR1, lambda *_: released.append(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal is the owner's to handle
@@ -140,12 +141,15 @@ def watch(owner: int, owner_start: int, record: Path, interval: float) -> None:
     if released:
         return
     stop_processes(snapshot)
+    for path in remove:
+        shutil.rmtree(path, ignore_errors=True)
     record.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def leash(run_dir: Path, name: str, interval: float = 0.5):
-    """While inside, every process this one starts is stopped if this process dies (see the module doc)."""
+def leash(run_dir: Path, name: str, interval: float = 0.5, remove: list[Path] = ()):
+    """While inside, every process this one starts is stopped if this process dies (see the module doc),
+    and the directories `remove` (scratch files of those processes, e.g. captured hidden states) deleted."""
     if not Path("/proc/self/stat").exists():
         log.warning("no /proc: processes started by %s are not watched (Linux only)", name)
         yield
@@ -163,7 +167,8 @@ def leash(run_dir: Path, name: str, interval: float = 0.5):
     owner, owner_start = os.getpid(), start_time(os.getpid())
     write_record(record, owner, owner_start, [])
     reaper = subprocess.Popen(
-        [sys.executable, "-m", "target.reaper", str(owner), str(owner_start), str(record), str(interval)],
+        [sys.executable, "-m", "target.reaper", str(owner), str(owner_start), str(record), str(interval)]
+        + [str(Path(path).resolve()) for path in remove],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -184,4 +189,5 @@ if __name__ == "__main__":
         int(sys.argv[2]),
         Path(sys.argv[3]),
         float(sys.argv[4]) if len(sys.argv) > 4 else 0.5,
+        [Path(path) for path in sys.argv[5:]],
     )

@@ -66,6 +66,9 @@ class EngineSettings:
     # True: vLLM's stats stay on - the spec-decode counters verification and eval read (the offline engine
     # turns them off unless told; `vllm serve` keeps them). False: each engine's default.
     log_stats: bool = True
+    # Further arguments the pipeline decides for this engine (hidden-state capture: the KV transfer, the
+    # parallel sizes, prefix caching off; target/capture.py).
+    owned: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         owned = set(self.pipeline_arguments()) | set(SERVED_ONLY)
@@ -87,7 +90,7 @@ class EngineSettings:
             arguments["speculative_config"] = self.speculative_config
         if self.log_stats:
             arguments["disable_log_stats"] = False
-        return arguments
+        return {**arguments, **self.owned}
 
 
 def served_settings(

@@ -137,7 +137,7 @@ def test_identical_conversations_are_one_whatever_their_ids_or_files(tmp_path):
 
 
 def test_the_split_goes_by_prompt_so_no_held_out_prompt_is_trained_on():
-    from data_prep.main import is_held_out
+    from data_prep.sources import is_held_out
 
     # Same prompt, other ids and answers: one side of the split, whichever it is.
     for number in range(50):
