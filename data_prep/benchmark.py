@@ -8,8 +8,11 @@ Everything after `--` is a data_prep config override. Both paths run on the batc
   plain forward    `model(input_ids, attention_mask)` (logits, as a user would run the target)
   decoder forward  the same without the lm_head (exactly the compute caching needs)
   caching          decoder forward + aux-layer capture + bf16 copy + writing the safetensors shards
-Reported: tokens/s of each, caching / plain ratio (target >= 0.90), bytes on disk per token against
-2 x (n_aux + 1) x H.
+  vllm capture     the same shard through vLLM (capture.engine=vllm, prompt-only): the engine's own
+                   batching, its capture files read back, checked and written (`--engines hf` to skip)
+Reported: tokens/s of each, caching / plain ratio (target >= 0.90), vLLM capture / transformers caching,
+bytes on disk per token against 2 x (n_aux + 1) x H. The engine is started (and warmed up) once before the
+timed passes, as data_prep starts it once per run; its arguments are `capture.vllm_kwargs`.
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ import json
 import platform
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from artifacts.cache import write_shard
 from artifacts.config import compose
-from data_prep.hidden_states import compute_shard, hf_states, pad_batch, plan_batches
+from data_prep.capture import capture_engine, capture_layers
+from data_prep.hidden_states import compute_shard, hf_states, pad_batch, plan_batches, vllm_states
 from data_prep.main import build_embedded_target
 from data_prep.render import render_all
 from data_prep.sources import load_conversations
-from target.model import load_config, load_model, load_tokenizer, resolve_aux_layer_ids
+from target.model import load_config, load_model, load_tokenizer, resolve_aux_layer_ids, target_dir
+from target.reaper import leash
+from target.vllm import vllm_log_file
 
 
 def timed(fn) -> float:
@@ -45,6 +52,9 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=None, help="conversations to use (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over the batches, per path")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--engines", default="hf,vllm", help="hf (always) and vllm: the capture engines timed"
+    )
     parser.add_argument("overrides", nargs="*", help="data_prep config overrides")
     args = parser.parse_args()
     overrides = list(args.overrides) + ([f"data.num_samples={args.num_samples}"] if args.num_samples else [])
@@ -87,12 +97,29 @@ def main() -> None:
         shard = compute_shard(states_of, samples, indices, lambda n: None)
         return write_shard(out_dir / "shard-00000.safetensors", shard)
 
-    decoder_forward()  # warm-up: first-call allocations and kernel selection
-    times = {"plain_forward": [], "decoder_forward": [], "caching": []}
-    for _ in range(args.repeats):  # interleaved, so drift in machine load hits every path alike
-        times["plain_forward"].append(timed(plain_forward))
-        times["decoder_forward"].append(timed(decoder_forward))
-        times["caching"].append(timed(caching))
+    paths = {"plain_forward": plain_forward, "decoder_forward": decoder_forward, "caching": caching}
+    with ExitStack() as stack:
+        if "vllm" in args.engines.split(","):
+            stack.enter_context(vllm_log_file(out_dir / "vllm.log"))
+            stack.enter_context(leash(out_dir, "bench_capture", remove=[out_dir / ".capture"]))
+            layers = capture_layers(cfg, target_config, aux_ids)
+            engine = stack.enter_context(
+                capture_engine(cfg, str(target_dir(cfg.target)), layers, out_dir / ".capture", None, False)
+            )
+
+            def vllm_capture():
+                shard = compute_shard(
+                    vllm_states(engine, cfg.capture.batch_size), samples, indices, lambda n: None
+                )
+                return write_shard(out_dir / "shard-vllm.safetensors", shard)
+
+            paths["vllm_capture"] = vllm_capture
+            vllm_capture()  # warm-up: the engine's first batches (and compilation, when it compiles)
+        decoder_forward()  # warm-up: first-call allocations and kernel selection
+        times = {name: [] for name in paths}
+        for _ in range(args.repeats):  # interleaved, so drift in machine load hits every path alike
+            for name, path in paths.items():
+                times[name].append(timed(path))
     info = caching()
 
     best = {name: min(values) for name, values in times.items()}
@@ -109,6 +136,10 @@ def main() -> None:
         "tokens_per_s": {k: round(v, 1) for k, v in tok_s.items()},
         "caching_over_plain_forward": round(tok_s["caching"] / tok_s["plain_forward"], 3),
         "caching_over_decoder_forward": round(tok_s["caching"] / tok_s["decoder_forward"], 3),
+        "vllm_capture_over_caching": (
+            round(tok_s["vllm_capture"] / tok_s["caching"], 3) if "vllm_capture" in tok_s else None
+        ),
+        "vllm_kwargs": dict(cfg.capture.vllm_kwargs) if "vllm_capture" in tok_s else None,
         "bytes_per_token": round(info["num_bytes"] / num_tokens, 1),
         "hidden_state_bytes_per_token": budget,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
@@ -121,6 +152,11 @@ def main() -> None:
         f"decoder-only forward; {result['bytes_per_token']} bytes/token on disk "
         f"(hidden states {budget} = 2 x {len(aux_ids) + 1} x {target_config.hidden_size})"
     )
+    if "vllm_capture" in tok_s:
+        print(
+            f"vLLM capture (prompt-only) {tok_s['vllm_capture']:.0f} tok/s = "
+            f"{result['vllm_capture_over_caching']:.2f}x transformers caching"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

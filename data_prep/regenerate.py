@@ -46,10 +46,11 @@ def start_engine(target_path: str, cfg, device_index: int | None = None):
     return LLM(**llm_kwargs(settings))
 
 
-def select_devices(first: int | None, count: int = 1) -> None:
-    """One engine per rank, on that rank's `count` GPUs from `first` on: the engine process inherits this."""
-    if first is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(count))
+def select_devices(local_rank: int | None, count: int = 1) -> None:
+    """One engine per rank, on that rank's own `count` GPUs (rank r of a node: GPUs r*count .. r*count +
+    count - 1, so TP4 x 2 ranks fill 8): the engine process inherits this."""
+    if local_rank is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(local_rank * count + i) for i in range(count))
 
 
 def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):

@@ -69,7 +69,7 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
 
     calls = []
 
-    def fake_regenerate(llm, conversations, cfg):
+    def fake_regenerate(llm, tokenizer, conversations, cfg):
         calls.append([c.id for c in conversations])
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -89,9 +89,9 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
     ]
     cfg = SimpleNamespace(batch_size=2)
     with pytest.raises(KeyboardInterrupt):
-        regenerate.regenerate_rank_share(conversations, "target", cfg, tmp_path, accelerator)
+        regenerate.regenerate_rank_share(conversations, None, "target", cfg, tmp_path, accelerator)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-00000-of-00003.json"]
-    new, record = regenerate.regenerate_rank_share(conversations, "target", cfg, tmp_path, accelerator)
+    new, record = regenerate.regenerate_rank_share(conversations, None, "target", cfg, tmp_path, accelerator)
     assert calls == [["c0", "c1"], ["c2", "c3"], ["c2", "c3"], ["c4"]]  # chunk 0 was not redone
     assert [c.id for c in new] == [f"c{i}" for i in range(5)]
     assert all(c.messages[-1]["content"] == "ok" for c in new)

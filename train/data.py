@@ -130,6 +130,15 @@ def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | N
             "with train.features=cache (the target's forwards are paid for), or make a tokens-only cache "
             "(data_prep with cache.hidden_states=false) in another run_dir"
         )
+    if cfg.capture.engine == "vllm":
+        raise ValueError(
+            "train.features=online with capture.engine=vllm: online training runs the target on each "
+            "training batch, on the training ranks' own devices, between optimizer steps; vLLM 0.32 hands "
+            "hidden states out only per finished request, through files (or Mooncake), from an engine that "
+            "holds its devices for itself. Capture the states through vLLM into the cache instead (data_prep "
+            "with cache.hidden_states=true capture.engine=vllm, then train.features=cache), or train online "
+            "on the transformers target (capture.engine=hf)"
+        )
     device = torch.device(accelerator.device)
     if device.type == "cuda":
         needed, free = weights_bytes(cfg.target), torch.cuda.mem_get_info(device)[0]
