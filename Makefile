@@ -73,7 +73,7 @@ smoke: setup
 
 bench: setup
 	$(PY) data_prep/benchmark.py --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
-	$(PY) data_prep/benchmark.py --num-samples 32 --repeats 3 --out runs/bench/data_prep_smollm2.json -- run_dir=runs/bench/smollm2
+	$(PY) data_prep/benchmark.py --num-samples 8 --repeats 2 --out runs/bench/data_prep_smollm2.json -- experiment=smollm2 run_dir=runs/bench/smollm2
 	$(PY) data_prep/main.py experiment=smoke run_dir=runs/bench/smoke
 	$(PY) train/benchmark.py --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/main.py run_dir=runs/bench/tb_smol data.num_samples=24 render.max_length=512

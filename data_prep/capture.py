@@ -13,14 +13,17 @@ Each rank starts its own engine (data parallel), each engine spans `capture.tens
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from pathlib import Path
+
+import torch
 
 from artifacts.cache import read_complete_shard_info, shard_path, write_shard
 from data_prep.regenerate import select_devices
 from data_prep.render import RenderedSample, fit_length
 from data_prep.sources import is_held_out
-from target.capture import CaptureEngine, CaptureLayers, capture_settings
+from target.capture import CaptureEngine, CaptureLayers, capture_settings, cpu_thread_binding
 from target.model import load_final_norm
 
 log = logging.getLogger(__name__)
@@ -46,13 +49,25 @@ def capture_engine(
 ):
     """A capture engine on this rank's devices, with the user's engine arguments: `regen.vllm_kwargs` when
     it regenerates, `capture.vllm_kwargs` for a prompt-only pass."""
-    select_devices(device_index, cfg.capture.tensor_parallel_size)
     source = "regen.vllm_kwargs" if regenerating else "capture.vllm_kwargs"
+    extra = dict(cfg.regen.vllm_kwargs if regenerating else cfg.capture.vllm_kwargs)
+    limit = extra.get("max_model_len", extra.get("max-model-len"))
+    if not regenerating and limit is not None and limit <= cfg.render.max_length:
+        # vLLM refuses a prompt that leaves no room for the one token a prompt-only pass samples.
+        raise ValueError(
+            f"capture.vllm_kwargs.max_model_len={limit}: a prompt-only capture reads samples of up to "
+            f"render.max_length={cfg.render.max_length} tokens and samples one more; set it above "
+            f"{cfg.render.max_length} (or leave it out: the target's own limit)"
+        )
+    select_devices(device_index, cfg.capture.tensor_parallel_size)
+    if cfg.capture.tensor_parallel_size > 1 and not torch.cuda.is_available():
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":  # the engine inherits it
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cfg.capture.tensor_parallel_size)
     settings = capture_settings(
         target_path,
         layers,
         storage,
-        dict(cfg.regen.vllm_kwargs if regenerating else cfg.capture.vllm_kwargs),
+        extra,
         source,
         transfer=cfg.capture.transfer,
         transfer_overrides=dict(cfg.capture.transfer_args),

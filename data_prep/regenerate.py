@@ -98,7 +98,7 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
             if capture is None:
                 outputs = llm.generate(token_prompts(prompts), params, use_tqdm=True)
             else:
-                outputs = capture.generate([p.input_ids for p in prompts], params, with_output_tokens=True)
+                outputs = capture.generate([p.input_ids for p in prompts], params, True, progress=True)
             for i, prompt, output in zip(batch, prompts, outputs):
                 completion = output.outputs[0]
                 counts[f"finish_{completion.finish_reason}"] += 1

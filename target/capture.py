@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,22 @@ def speculative_config(layers: CaptureLayers) -> dict:
         "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers.captured_ids}},
     }
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a tensor-parallel engine on vLLM's CPU build: this process's CPUs
+    split evenly between the ranks ("0|1" for TP2 on 2 cores). vLLM's own `auto` binding gives each rank a
+    NUMA node of its own and refuses more ranks than nodes (one node on a laptop or this project's CI)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    if len(cpus) < tensor_parallel_size:
+        raise ValueError(
+            f"capture.tensor_parallel_size={tensor_parallel_size}: vLLM's CPU build needs a core per rank, "
+            f"and this process may use {len(cpus)}"
+        )
+    share = len(cpus) // tensor_parallel_size
+    return "|".join(
+        ",".join(str(c) for c in cpus[r * share : (r + 1) * share]) for r in range(tensor_parallel_size)
+    )
 
 
 def transfer_args(name: str, storage_dir: Path, overrides: dict | None = None) -> argparse.Namespace:
@@ -177,9 +194,9 @@ class CaptureEngine:
             self.llm = None
         shutil.rmtree(self.storage_dir, ignore_errors=True)
 
-    def generate(self, prompts: list[list[int]], params, with_output_tokens: bool = False):
+    def generate(self, prompts: list[list[int]], params, with_output_tokens: bool = False, progress=False):
         """vLLM's outputs for token-id `prompts`; each request's states are captured (prompt only, or with
-        the generated tokens but the last, which no forward pass has read)."""
+        the generated tokens but the last, which no forward pass has read). `progress`: vLLM's bar."""
         from vllm.inputs import TokensPrompt
 
         if with_output_tokens:
@@ -187,7 +204,9 @@ class CaptureEngine:
             extra["kv_transfer_params"] = {"include_output_tokens": True}
             params = params.clone()
             params.extra_args = extra
-        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=progress
+        )
 
     def states(self, output, expected_ids: list[int], what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The aux [T, n_aux, H] and final [T, H] states of one request, checked against the tokens it was

