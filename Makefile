@@ -3,7 +3,8 @@
 #   make main     the main job: SmolLM2-135M + ShareGPT, every stage, ending in a vLLM measurement (~45-55 min)
 #                 (make main PROFILE=quick: a first look in <= 10 min); rerun it to continue after an interrupt
 #   make smoke    every stage on the tiny smoke target
-#   make bench    data_prep and train benchmarks, online against cached training (smoke target and SmolLM2-135M)
+#   make bench    data_prep (caching, vLLM capture, regeneration with capture) and train benchmarks, online
+#                 against cached training (smoke target and SmolLM2-135M)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -74,6 +75,7 @@ smoke: setup
 bench: setup
 	$(PY) data_prep/benchmark.py --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/benchmark.py --num-samples 8 --repeats 2 --out runs/bench/data_prep_smollm2.json -- experiment=smollm2 run_dir=runs/bench/smollm2
+	$(PY) data_prep/benchmark_regen.py --num-prompts 64 --max-tokens 64 --out runs/bench/regen_smollm2.json -- experiment=smollm2 run_dir=runs/bench/regen
 	$(PY) data_prep/main.py experiment=smoke run_dir=runs/bench/smoke
 	$(PY) train/benchmark.py --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/main.py run_dir=runs/bench/tb_smol data.num_samples=24 render.max_length=512
