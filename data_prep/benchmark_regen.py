@@ -25,7 +25,7 @@ import torch
 from artifacts.config import compose
 from data_prep.capture import capture_engine, capture_layers
 from data_prep.main import build_embedded_target
-from data_prep.regenerate import start_engine
+from data_prep.regenerate import start_engine, token_prompts
 from data_prep.render import render_conversation
 from data_prep.sources import load_conversations
 from target.model import load_config, load_tokenizer, resolve_aux_layer_ids, target_dir
@@ -44,7 +44,6 @@ def main() -> None:
     args = parser.parse_args()
     cfg = compose("config", list(args.overrides))
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     build_embedded_target(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
@@ -65,10 +64,9 @@ def main() -> None:
     seconds, tokens = {}, {}
     with vllm_log_file(work / "vllm.log"), leash(work, "bench_regen", remove=[work / "states"]):
         llm = start_engine(str(target_dir(cfg.target)), cfg.regen)
-        token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        llm.generate(token_prompts[:4], warm_up, use_tqdm=False)
+        llm.generate(token_prompts(prompts[:4]), warm_up, use_tqdm=False)
         start = time.perf_counter()
-        outputs = llm.generate(token_prompts, params, use_tqdm=False)
+        outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
         seconds["plain"] = time.perf_counter() - start
         tokens["plain"] = sum(len(o.outputs[0].token_ids) for o in outputs)
         llm.llm_engine.engine_core.shutdown()

@@ -196,11 +196,9 @@ def run(cfg: DictConfig) -> dict:
         # The engine and its files never outlive this process, however it dies.
         storage = [storage_dir(cache_dir, rank)] if chunks else []
         with vllm_log_file(run_dir / "logs" / f"{rank_name}.log"), leash(run_dir, rank_name, remove=storage):
-            regenerated = regenerate_rank_share(
+            conversations, regen_record, chunk_shards = regenerate_rank_share(
                 conversations, tokenizer, tdir, cfg.regen, cache_dir / "regenerated", accelerator, chunks
             )
-        conversations, regen_record = regenerated[:2]
-        chunk_shards = regenerated[2] if chunks else None
         log.info("regenerated answers with the target: %s", regen_record)
 
     split_convs = {

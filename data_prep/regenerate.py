@@ -63,9 +63,9 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
 
     `capture` (a target/capture.CaptureEngine whose engine is `llm`): the states of every conversation are
     captured in the same pass, from the request of its last answered turn, which holds every earlier turn as
-    its prompt. Returned then as a third value, one sample per conversation kept: its tokens (that prompt and
-    the answer's tokens but the last, which no forward pass reads), its loss mask (the earlier answers and
-    this one) and its aux and final states.
+    its prompt. The third value holds then one sample per conversation kept (empty without `capture`): its
+    tokens (that prompt and the answer's tokens but the last, which no forward pass reads), its loss mask
+    (the earlier answers and this one) and its aux and final states.
     """
     from vllm import SamplingParams
 
@@ -96,7 +96,7 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
             if not batch:
                 break
             if capture is None:
-                outputs = llm.generate(token_prompts(prompts), params, use_tqdm=True)
+                outputs = llm.generate(token_prompts([p.input_ids for p in prompts]), params, use_tqdm=True)
             else:
                 outputs = capture.generate([p.input_ids for p in prompts], params, True, progress=True)
             for i, prompt, output in zip(batch, prompts, outputs):
@@ -134,13 +134,14 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
     finally:
         for _, output in last.values():  # an error or an interrupt: no capture file is left behind
             capture.discard(output)
-    return (regenerated, counts) if capture is None else (regenerated, counts, samples)
+    return regenerated, counts, samples
 
 
-def token_prompts(prompts):
+def token_prompts(prompts: list[list[int]]):
+    """vLLM's prompts for token-id lists: the engine reads them as they are, without tokenizing."""
     from vllm.inputs import TokensPrompt
 
-    return [TokensPrompt(prompt_token_ids=p.input_ids) for p in prompts]
+    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
 
 def regenerate_rank_share(
@@ -148,12 +149,12 @@ def regenerate_rank_share(
 ):
     """Regenerate this rank's chunks (reusing finished ones), then read every chunk in order.
 
-    Returns the conversations and a record for the manifest: counts of what happened, the vLLM version
-    and the checksum of each chunk file of regenerated conversations (in `out_dir`).
+    Returns the conversations, a record for the manifest (counts of what happened, the vLLM version and
+    the checksum of each chunk file of regenerated conversations, in `out_dir`) and each chunk's shards.
 
     `capture` (data_prep/capture.CapturedChunks): the states are captured in the same pass and each chunk's
-    samples written as cache shards before its chunk file; a chunk counts as finished only when its
-    shards verify too.
+    samples written as cache shards ({split: file name}) before its chunk file; a chunk counts as finished
+    only when its shards verify too. None: no states, and the shards returned are None.
     """
     import vllm
 
@@ -184,20 +185,18 @@ def regenerate_rank_share(
             for number, c in enumerate(todo):
                 log.info("regenerating chunk %d of %d (%d conversations; %d/%d of this rank's)",
                          c + 1, len(chunks), len(chunks[c]), number + 1, len(todo))  # fmt: skip
-                record = {}
                 if capture is None:
-                    new, counts = regenerate_conversations(engine, tokenizer, chunks[c], cfg)
+                    new, counts, _ = regenerate_conversations(engine, tokenizer, chunks[c], cfg)
+                    shards = {}
                 else:
                     new, counts, samples = regenerate_conversations(
                         engine.llm, tokenizer, chunks[c], cfg, engine
                     )
-                    record["shards"] = capture.write(c, samples, counts)
-                record = {
-                    "counts": counts,
-                    **record,
-                    "conversations": [{"id": x.id, "messages": x.messages} for x in new],
-                }
-                write_json_atomic(chunk_path(c), record)
+                    shards = {"shards": capture.write(c, samples, counts)}
+                conversations_done = [{"id": x.id, "messages": x.messages} for x in new]
+                write_json_atomic(
+                    chunk_path(c), {"counts": counts, **shards, "conversations": conversations_done}
+                )
         finally:
             if capture is None:
                 del engine
@@ -219,4 +218,4 @@ def regenerate_rank_share(
     }
     kind = type(conversations[0])
     regenerated = [kind(id=c.id, messages=by_id[c.id]) for c in conversations if c.id in by_id]
-    return (regenerated, counts) if capture is None else (regenerated, counts, shards)
+    return regenerated, counts, (shards if capture is not None else None)

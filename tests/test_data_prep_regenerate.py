@@ -77,7 +77,7 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
             Conversation(c.id, c.messages[:1] + [{"role": "assistant", "content": "ok"}])
             for c in conversations
         ]
-        return answered, {"finish_stop": len(conversations)}
+        return answered, {"finish_stop": len(conversations)}, []
 
     monkeypatch.setattr(regenerate, "start_engine", lambda *args: object())
     monkeypatch.setattr(regenerate, "regenerate_conversations", fake_regenerate)
@@ -91,8 +91,11 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         regenerate.regenerate_rank_share(conversations, None, "target", cfg, tmp_path, accelerator)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-00000-of-00003.json"]
-    new, record = regenerate.regenerate_rank_share(conversations, None, "target", cfg, tmp_path, accelerator)
+    new, record, shards = regenerate.regenerate_rank_share(
+        conversations, None, "target", cfg, tmp_path, accelerator
+    )
     assert calls == [["c0", "c1"], ["c2", "c3"], ["c2", "c3"], ["c4"]]  # chunk 0 was not redone
     assert [c.id for c in new] == [f"c{i}" for i in range(5)]
     assert all(c.messages[-1]["content"] == "ok" for c in new)
     assert record["finish_stop"] == 5 and len(record["files"]) == 3
+    assert shards is None  # no capture: the states are not in the chunks
