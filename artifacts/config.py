@@ -369,9 +369,26 @@ def _sharegpt_json() -> str:
     return str(sharegpt_json_path())
 
 
-# `${smoke_data:conversations.jsonl}` and `${sharegpt_json:}` in conf/data/*.yaml.
+def machine_dtype(wanted: str) -> str:
+    """`wanted`, or float32 where this machine has no arithmetic for it: an x86 CPU (and no GPU) without
+    AVX512-BF16 or AMX emulates bfloat16 and float16, several times slower than float32 (measured on an
+    AVX2 EPYC: vLLM regenerates at ~20 tok/s in bf16 against ~100 in fp32; docs/benchmarks.md)."""
+    import platform
+
+    import torch
+
+    if wanted == "float32" or torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
+        return wanted
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return wanted
+    return "float32"
+
+
+# `${smoke_data:conversations.jsonl}` and `${sharegpt_json:}` in conf/data/*.yaml; `${machine_dtype:bfloat16}`
+# in conf/target/*.yaml.
 OmegaConf.register_new_resolver("smoke_data", _package_file, replace=True)
 OmegaConf.register_new_resolver("sharegpt_json", _sharegpt_json, replace=True)
+OmegaConf.register_new_resolver("machine_dtype", machine_dtype, replace=True)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

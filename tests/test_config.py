@@ -9,7 +9,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from artifacts.config import check_config, compose
+from artifacts.config import check_config, compose, machine_dtype
 from artifacts.manifest import read_manifest
 from target.model import default_aux_layer_ids
 from tests.conftest import REPO
@@ -20,6 +20,38 @@ def test_default_data_prep_config_is_smollm2_on_sharegpt():
     assert cfg.target.build == "smollm2" and cfg.target.path.endswith("SmolLM2-135M-Instruct")
     assert cfg.cache.draft_vocab_size == 32000 and cfg.cache.aux_layer_ids is None
     assert OmegaConf.to_container(cfg.data)["source"] == "${sharegpt_json:}"
+
+
+@pytest.mark.parametrize(
+    "machine, avx512_bf16, amx, wanted, expected",
+    [
+        ("x86_64", False, False, "bfloat16", "float32"),  # AVX2 only: bf16 emulated, fp32 several times faster
+        ("x86_64", False, False, "float16", "float32"),
+        ("x86_64", True, False, "bfloat16", "bfloat16"),
+        ("x86_64", False, True, "bfloat16", "bfloat16"),
+        ("aarch64", False, False, "bfloat16", "bfloat16"),
+        ("x86_64", False, False, "float32", "float32"),
+    ],
+)
+def test_machine_dtype_keeps_half_precision_only_where_the_cpu_computes_it(
+    monkeypatch, machine, avx512_bf16, amx, wanted, expected
+):
+    import platform
+
+    import torch
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert machine_dtype(wanted) == expected
+
+
+def test_the_main_job_runs_every_engine_in_the_targets_dtype():
+    cfg = compose("config", ["experiment=smollm2", "run_dir=/tmp/x"])
+    assert cfg.target.dtype == machine_dtype("bfloat16")
+    engines = (cfg.regen.vllm_kwargs, cfg.capture.vllm_kwargs, cfg.eval.server_args)
+    assert [engine.dtype for engine in engines] == [cfg.target.dtype] * 3
 
 
 def test_smoke_experiment_composes_with_explicit_layer_ids():
