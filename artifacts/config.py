@@ -168,7 +168,8 @@ class TrainConfig:
     num_samples: int | None = None  # train on the cache's first N train samples only (data-scaling runs)
     batch_size: int = 4  # samples per micro-batch per process
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    mixed_precision: str = "bf16"  # no | bf16 | fp16 (fp32 master weights either way)
+    # no | bf16 | fp16 (fp32 master weights either way); default bf16, or no on a CPU without bf16 arithmetic
+    mixed_precision: str = "${machine_precision:bf16}"
     features: str = "cache"  # the target's hidden states: cache (read from data_prep's cache) | online
     # (the frozen target runs on each micro-batch beside the head; the cache needs cache.hidden_states=false)
     teacher_chunk_size: int = 2048  # tokens per full-vocab teacher logits chunk (memory bound)
@@ -369,26 +370,38 @@ def _sharegpt_json() -> str:
     return str(sharegpt_json_path())
 
 
-def machine_dtype(wanted: str) -> str:
-    """`wanted`, or float32 where this machine has no arithmetic for it: an x86 CPU (and no GPU) without
-    AVX512-BF16 or AMX emulates bfloat16 and float16, several times slower than float32 (measured on an
-    AVX2 EPYC: vLLM regenerates at ~20 tok/s in bf16 against ~100 in fp32; docs/benchmarks.md)."""
+def half_precision_computes_here() -> bool:
+    """Whether this machine has arithmetic for bfloat16 and float16: a GPU, a non-x86 CPU, or an x86 CPU
+    with AVX512-BF16 or AMX. An x86 CPU without them (AVX2 only) emulates half precision, several times
+    slower than float32: measured on a 2-core AVX2 EPYC, vLLM regenerates at ~20 tok/s in bf16 against ~100
+    in fp32, and a P-EAGLE training step of the main job takes ~45 s under bf16 autocast against ~2.3 s in
+    fp32 (docs/benchmarks.md#half-precision-on-a-cpu-without-it)."""
     import platform
 
     import torch
 
-    if wanted == "float32" or torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
-        return wanted
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        return wanted
-    return "float32"
+    if torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def machine_dtype(wanted: str) -> str:
+    """`${machine_dtype:bfloat16}`: `wanted`, or float32 where half precision does not compute natively."""
+    return wanted if half_precision_computes_here() else "float32"
+
+
+def machine_precision(wanted: str) -> str:
+    """`${machine_precision:bf16}` (train.mixed_precision): `wanted`, or no autocast where half precision
+    does not compute natively."""
+    return wanted if half_precision_computes_here() else "no"
 
 
 # `${smoke_data:conversations.jsonl}` and `${sharegpt_json:}` in conf/data/*.yaml; `${machine_dtype:bfloat16}`
-# in conf/target/*.yaml.
+# in conf/target/*.yaml and `${machine_precision:bf16}` as train.mixed_precision's default.
 OmegaConf.register_new_resolver("smoke_data", _package_file, replace=True)
 OmegaConf.register_new_resolver("sharegpt_json", _sharegpt_json, replace=True)
 OmegaConf.register_new_resolver("machine_dtype", machine_dtype, replace=True)
+OmegaConf.register_new_resolver("machine_precision", machine_precision, replace=True)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

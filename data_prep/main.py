@@ -151,7 +151,7 @@ def run(cfg: DictConfig) -> dict:
     cache_dir = run_dir / "cache"
     if accelerator.is_main_process:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "data_prep.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (run_dir / "data_prep.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         build_embedded_target(cfg.target)
     accelerator.wait_for_everyone()
 

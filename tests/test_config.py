@@ -9,7 +9,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from artifacts.config import check_config, compose, machine_dtype
+from artifacts.config import check_config, compose, machine_dtype, machine_precision
 from artifacts.manifest import read_manifest
 from target.model import default_aux_layer_ids
 from tests.conftest import REPO
@@ -23,19 +23,15 @@ def test_default_data_prep_config_is_smollm2_on_sharegpt():
 
 
 @pytest.mark.parametrize(
-    "machine, avx512_bf16, amx, wanted, expected",
+    "machine, avx512_bf16, amx, native",
     [
-        ("x86_64", False, False, "bfloat16", "float32"),  # AVX2 only: bf16 emulated, fp32 several times faster
-        ("x86_64", False, False, "float16", "float32"),
-        ("x86_64", True, False, "bfloat16", "bfloat16"),
-        ("x86_64", False, True, "bfloat16", "bfloat16"),
-        ("aarch64", False, False, "bfloat16", "bfloat16"),
-        ("x86_64", False, False, "float32", "float32"),
+        ("x86_64", False, False, False),  # AVX2 only: half precision emulated, several times slower
+        ("x86_64", True, False, True),
+        ("x86_64", False, True, True),
+        ("aarch64", False, False, True),
     ],
 )
-def test_machine_dtype_keeps_half_precision_only_where_the_cpu_computes_it(
-    monkeypatch, machine, avx512_bf16, amx, wanted, expected
-):
+def test_half_precision_only_where_the_machine_computes_it(monkeypatch, machine, avx512_bf16, amx, native):
     import platform
 
     import torch
@@ -44,12 +40,19 @@ def test_machine_dtype_keeps_half_precision_only_where_the_cpu_computes_it(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    assert machine_dtype(wanted) == expected
+    assert machine_dtype("bfloat16") == ("bfloat16" if native else "float32")
+    assert machine_dtype("float16") == ("float16" if native else "float32")
+    assert machine_dtype("float32") == "float32"
+    assert machine_precision("bf16") == ("bf16" if native else "no")
+    cfg = compose("config", ["experiment=smollm2", "run_dir=/tmp/x"])
+    assert cfg.target.dtype == ("bfloat16" if native else "float32")
+    assert cfg.train.mixed_precision == ("bf16" if native else "no")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert machine_dtype("bfloat16") == "bfloat16" and machine_precision("bf16") == "bf16"
 
 
 def test_the_main_job_runs_every_engine_in_the_targets_dtype():
     cfg = compose("config", ["experiment=smollm2", "run_dir=/tmp/x"])
-    assert cfg.target.dtype == machine_dtype("bfloat16")
     engines = (cfg.regen.vllm_kwargs, cfg.capture.vllm_kwargs, cfg.eval.server_args)
     assert [engine.dtype for engine in engines] == [cfg.target.dtype] * 3
 

@@ -551,6 +551,7 @@ def test_aux_noise_perturbs_training_only(smoke_run):
 
 def test_warm_start_refuses_other_norm_flags_and_names_them(train_run, tmp_path):
     run(train_config(train_run, "train.max_steps=2"))
+    assert "${" not in (train_run / "train.yaml").read_text()  # the settings as run, interpolations resolved
     old_run = tmp_path / "old_run"
     old_run.mkdir()
     for name in ("draft_head", "ckpt", "train.yaml"):

@@ -139,7 +139,7 @@ def run(cfg: DictConfig) -> dict:
     settings = trajectory_settings(cfg, world, cache_manifest.get("dataset_fingerprint"))
     step, start_epoch = resume_point(cfg, accelerator, run_dir, settings)
     if accelerator.is_main_process:
-        (run_dir / "train.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (run_dir / "train.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     start_trackers(accelerator, cfg, cache_manifest, run_dir)
     log.info(
         "training %d optimizer steps (%d per epoch, %d samples per step, %d processes), %s head, K=%d depths",
