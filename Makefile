@@ -1,7 +1,8 @@
 # One command per job; each sets up what it needs from nothing (a virtual environment in .venv).
 #   make test     the default test suite (CPU, nothing downloaded at run time)
-#   make main     the main job: SmolLM2-135M + ShareGPT, every stage, ending in a vLLM measurement (~45-55 min)
-#                 (make main PROFILE=quick: a first look in <= 10 min); rerun it to continue after an interrupt
+#   make main     the main job: SmolLM2-135M + ShareGPT, every stage, ending in a vLLM measurement (~55 min on
+#                 a 2-core CPU with AVX-512; longer on AVX2 only) (make main PROFILE=quick: a first look in
+#                 6 min there, 24 min on AVX2 only); rerun it to continue after an interrupt
 #   make smoke    every stage on the tiny smoke target
 #   make bench    data_prep (caching, vLLM capture, regeneration with capture) and train benchmarks, online
 #                 against cached training (smoke target and SmolLM2-135M)
@@ -34,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 test: setup
-	$(PY) -m pytest -m "not slow and not gpu" -q
+	$(PY) -m pytest -m "not slow and not gpu" -q --durations=25
 
 test-all: setup
 	$(PY) -m pytest -q
