@@ -52,6 +52,7 @@ def eval_run(regen_head, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow  # ~6 min on a 2-core AVX2 CPU (compiled servers); the main job serves this shape
 def test_eval_serves_a_parallel_head_ngram_and_a_k_schedule(regen_peagle_head, tmp_path):
     """A P-EAGLE export (parallel drafting) beside vLLM's free ngram drafter, then a per-batch-size k
     schedule for the P-EAGLE head served on its own server."""

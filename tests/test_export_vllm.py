@@ -246,7 +246,9 @@ def zeroed_mask_hidden(config: dict, weights: dict) -> None:
     weights["mask_hidden"] = torch.zeros_like(weights["mask_hidden"])
 
 
-@pytest.mark.parametrize("mistake", [other_mask_token, zeroed_mask_hidden])
+@pytest.mark.parametrize(
+    "mistake", [pytest.param(other_mask_token, marks=pytest.mark.slow), zeroed_mask_hidden]
+)  # one vLLM engine each; the second mistake is caught the same way
 def test_parity_catches_a_wrong_peagle_export(regen_peagle_head, mistake, tmp_path):
     """A P-EAGLE export with another mask token or a zeroed mask state loads and drafts; verification must
     fail. On the looping smoke target the mask slots draft from the context through attention: measured,
@@ -288,7 +290,9 @@ def flipped_norm_before_residual(config: dict, weights: dict) -> None:
     config["norm_before_residual"] = not config["norm_before_residual"]
 
 
-@pytest.mark.parametrize("mistake", [wrong_layer_ids, flipped_norm_before_residual])
+@pytest.mark.parametrize(
+    "mistake", [wrong_layer_ids, pytest.param(flipped_norm_before_residual, marks=pytest.mark.slow)]
+)  # one vLLM engine each; the second mistake is caught the same way
 def test_parity_catches_a_wrong_export(regen_head, mistake, tmp_path):
     """The mistakes that load without error in vLLM (HF's hidden_states index off by one; the other
     residual convention) and silently change acceptance: the parity check must fail on them."""
@@ -430,7 +434,9 @@ def recipe_regen_heads(regen_run, tmp_path_factory):
 
 # The speculators format, where vLLM's two readers differ (the plain format's flags are plain attributes,
 # checked against the config above).
-@pytest.mark.parametrize("kind,fmt", [("eagle3", "speculators"), ("peagle", "speculators")])
+@pytest.mark.parametrize(
+    "kind,fmt", [("eagle3", "speculators"), pytest.param("peagle", "speculators", marks=pytest.mark.slow)]
+)  # ~110 s each
 def test_vllm_serves_every_recipe_option_at_the_reference_decoders_rate(recipe_regen_heads, kind, fmt):
     """A head trained with all four norm flags, the target's frozen lm_head rows and aux noise: vLLM's
     acceptance equals the reference decoder's (a flag vLLM ignored would change what it drafts)."""

@@ -576,6 +576,7 @@ def test_warm_start_refuses_other_norm_flags_and_names_them(train_run, tmp_path)
     )  # the older head's (trained) rows, then frozen
 
 
+@pytest.mark.slow  # ~35 s
 def test_grid_trains_each_variant_once_and_tabulates(smoke_run, tmp_path):
     from artifacts.config import compose
     from train.grid import run as grid

@@ -136,6 +136,7 @@ def test_the_wrong_mode_for_the_cache_is_refused_naming_the_option(online_run, s
         train(train_config(fresh(online_run, tmp_path, "c"), "train.features=disk"))
 
 
+@pytest.mark.slow  # ~40 s
 def test_the_benchmark_reports_both_modes_and_the_trade_off(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "train/benchmark_online.py", "--steps", "3", "--warmup", "1",
