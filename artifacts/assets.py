@@ -21,10 +21,11 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
 import time
 from pathlib import Path
+
+from artifacts import atomic
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -142,8 +143,8 @@ def smollm2_dir(out_dir: str | Path) -> Path:
     """A plain Hugging Face directory for SmolLM2-135M-Instruct, converted once from the shipped GGUF.
 
     Idempotent: a directory holding the completion marker is returned at once. The conversion is
-    built in a temporary sibling and renamed into place, so a crash or a concurrent caller (e.g.
-    every rank of a torchrun job) never sees a half-written directory.
+    built in a temporary sibling and renamed into place (`atomic.publish_dir(once=True)`), so a crash or
+    a concurrent caller (e.g. every rank of a torchrun job) never sees a half-written directory.
     """
     out_dir = Path(out_dir).expanduser().resolve()
     if (out_dir / COMPLETE_MARKER).is_file():
@@ -155,10 +156,7 @@ def smollm2_dir(out_dir: str | Path) -> Path:
         )
 
     gguf = smollm2_gguf_path()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    try:
+    with atomic.publish_dir(out_dir, once=True) as tmp_dir:
         start = time.perf_counter()
         _convert(gguf, tmp_dir)
         marker = {
@@ -168,23 +166,15 @@ def smollm2_dir(out_dir: str | Path) -> Path:
             "dtype": "bfloat16",
             "seconds": round(time.perf_counter() - start, 1),
         }
-        publish(tmp_dir, out_dir, marker)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    check_complete(out_dir)
     return out_dir
 
 
-def publish(tmp_dir: Path, out_dir: Path, marker: dict) -> None:
-    """Mark the directory built in `tmp_dir` complete and rename it to `out_dir`."""
-    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        # Renaming onto an absent or empty directory is atomic; a non-empty one means another
-        # process finished first, and its complete copy is as good as ours.
-        os.rename(tmp_dir, out_dir)
-    except OSError:
-        if not (out_dir / COMPLETE_MARKER).is_file():
-            raise
+def check_complete(out_dir: Path) -> None:
+    # Another process may have published first (its complete copy is as good as ours), never a part.
+    if not (out_dir / COMPLETE_MARKER).is_file():
+        raise ValueError(f"{out_dir}: not published; it exists without {COMPLETE_MARKER}: remove it, retry")
 
 
 # The base-model upgrade workflow needs a new checkpoint of the same architecture; with no hub here it is
@@ -239,10 +229,8 @@ def upgraded_dir(
     if (out_dir / COMPLETE_MARKER).is_file():
         return out_dir
     base_dir = Path(base_dir).expanduser().resolve()
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    try:
-        shutil.copytree(base_dir, tmp_dir)
+    with atomic.publish_dir(out_dir, once=True) as tmp_dir:
+        shutil.copytree(base_dir, tmp_dir, dirs_exist_ok=True)
         (tmp_dir / COMPLETE_MARKER).unlink(missing_ok=True)
         weights_files = sorted(tmp_dir.glob("*.safetensors"))
         if len(weights_files) != 1:
@@ -250,9 +238,8 @@ def upgraded_dir(
         weights = upgraded_weights(load_file(str(weights_files[0])), noise, permute, seed)
         save_file(weights, str(weights_files[0]), metadata={"format": "pt"})
         marker = {"base": str(base_dir), "noise": noise, "permute_residual": permute, "seed": seed}
-        publish(tmp_dir, out_dir, marker)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    check_complete(out_dir)
     return out_dir
 
 

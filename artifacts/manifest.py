@@ -8,29 +8,10 @@ two targets' hidden states would train a head that never drafts well.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON through a temporary file and a rename: readers see the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
-def write_bytes_if_changed(path: Path, data: bytes) -> None:
-    """Write `data` atomically unless the file already holds it (a read-only finished artifact stays usable)."""
-    path = Path(path)
-    if path.exists() and path.read_bytes() == data:
-        return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def read_manifest(directory: Path) -> dict:

@@ -10,14 +10,14 @@ different runs or processes agree.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from artifacts import atomic
 
 SMOKE_DATA = Path(__file__).parent / "smoke_data" / "conversations.jsonl"
 DONE_MARKER = ".smoke_target_complete"
@@ -101,15 +101,16 @@ def build_smoke_target(out_dir: str | Path, seed: int = 0) -> Path:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
-    # Build beside the destination and rename: a killed build never looks complete.
-    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    model.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    (tmp_dir / DONE_MARKER).write_text("ok\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp_dir, out_dir)
+    # Built beside the destination and renamed: a killed build never looks complete; every rank of a job
+    # builds the same bytes, so the first one published is kept.
+    with atomic.publish_dir(out_dir, once=True) as tmp_dir:
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        (tmp_dir / DONE_MARKER).write_text("ok\n")
+    if not (out_dir / DONE_MARKER).exists():
+        raise ValueError(
+            f"{out_dir} exists and is not a smoke target (no {DONE_MARKER}): remove it, or pick another"
+        )
     return out_dir
 
 

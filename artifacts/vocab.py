@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from artifacts.manifest import write_bytes_if_changed
+from artifacts import atomic
 
 
 @dataclass
@@ -72,7 +72,7 @@ def save_vocab_map(vocab: VocabMap, path: Path) -> None:
     tensors = {"t2d": vocab.t2d, "token_counts": vocab.token_counts}
     if vocab.d2t is not None:
         tensors["d2t"] = vocab.d2t
-    write_bytes_if_changed(path, save(tensors))
+    atomic.write_bytes_if_changed(path, save(tensors))
 
 
 def load_vocab_map(path: Path) -> VocabMap:

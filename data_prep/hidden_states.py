@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from artifacts import atomic
 from artifacts.cache import read_complete_shard_info, shard_path, write_shard
 from target.model import target_hidden_states
 
@@ -134,8 +135,7 @@ def cache_split(states_of, samples, split_dir: Path, shard_plan, accelerator, de
     mine = [s for s in range(len(shard_plan)) if s % accelerator.num_processes == accelerator.process_index]
     todo = []
     for s in mine:
-        for stale in split_dir.glob(f".{shard_path(split_dir, s).name}.tmp-*"):  # left by a killed run
-            stale.unlink()
+        atomic.remove_tmp_files(shard_path(split_dir, s))  # left by a killed run (each shard has one writer)
         if read_complete_shard_info(shard_path(split_dir, s)) is None:
             if shard_path(split_dir, s).exists():
                 log.warning("%s: incomplete or corrupt, recomputing it", shard_path(split_dir, s))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from artifacts import atomic
 from export.to_vllm import check_head_fits_target, read_export_config, speculative_config
 from heads.kinds import head_kind
 
@@ -28,6 +29,7 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
             }
         elif head.method == "export":
             path = Path(head.path or run_dir / "export")
+            atomic.recover_dir(path)  # an export killed while publishing left the old one aside
             kind, fields = read_export_config(path)
             check_head_fits_target(path, fields, target_config)
             drafting = head_kind(kind).drafting

@@ -9,27 +9,22 @@ measured run, on an otherwise idle server, and takes the difference (`Acceptance
 from __future__ import annotations
 
 import math
-import re
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from heads.acceptance import VLLM_PREFIX, AcceptanceCounts
 
-# name{label="value",...} number   (labels optional; the value may be NaN/+Inf; a timestamp may follow)
-SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
 
 def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample line as (name, labels, value); comments and blank lines skipped."""
-    samples = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = SAMPLE.match(line)
-        if match is None:
-            raise ValueError(f"not a Prometheus sample line: {line[:120]!r}")
-        labels = dict(LABEL.findall(match["labels"] or ""))
-        samples.append((match["name"], labels, float(match["value"])))
-    return samples
+    """Every sample as (name, labels, value), read by prometheus_client's parser of the text format."""
+    try:
+        return [
+            (sample.name, sample.labels, float(sample.value))
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        ]
+    except ValueError as error:
+        raise ValueError(f"not a Prometheus sample line ({error}) in {text[:120]!r}") from error
 
 
 def counter_total(samples, name: str) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from artifacts import atomic
 from eval.plots import write_plots
 from eval.results import (
     acceptance,
@@ -194,7 +195,7 @@ def write_report(results: dict, out_dir: Path) -> dict[str, Path]:
     results = clean(results)
     write_json(out_dir / "results.json", results)
     plots = write_plots(results.get("runs") or [], out_dir / "plots")
-    (out_dir / "report.md").write_text(render_report(results, plots))
+    atomic.write_text(out_dir / "report.md", render_report(results, plots))
     return {
         "results.json": out_dir / "results.json",
         "report.md": out_dir / "report.md",

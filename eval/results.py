@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
+from artifacts import atomic
 from eval.economics import economics
 
 
@@ -28,9 +28,7 @@ def clean(value):
 
 def write_json(path: Path, data: dict) -> None:
     # Written whole then renamed: a reader (or a crash) never sees half a results.json.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(clean(data), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(clean(data), indent=2, allow_nan=False) + "\n")
 
 
 def is_number(value) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from artifacts import atomic
 from export.to_vllm import speculative_config
 from heads.head_file import read_record
 from heads.kinds import head_kind
@@ -119,9 +120,7 @@ def write_model_card(
         verification,
         eval_results,
     )
-    path = export_dir / "README.md"
-    path.write_text(card, encoding="utf-8")
-    return path
+    return atomic.write_text(export_dir / "README.md", card)
 
 
 def model_card(

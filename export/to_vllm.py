@@ -11,12 +11,17 @@ Both EAGLE-3 formats share the weights file: flat tensor names (`fc`, `layers.0.
   only `norm_before_residual` and `norm_before_fc`, leaving `fc_norm` and `norm_output` to the layer config
   (`vllm/transformers_utils/configs/speculators/algos.py`); a flag in the wrong place loads and is ignored.
   The norms' weights: `input_norm.weight` [A*H] (norm_before_fc), `fc_norm.{i}.weight` [H] (fc_norm).
-P-EAGLE (parallel drafting, docs/design.md#p-eagle) is an EAGLE-3 export plus `mask_hidden` [1, A*H] and
-the mask token: plain = the EAGLE-3 plain config with `mask_token_id` (served with `parallel_drafting: true`
-in the speculative config); speculators = `speculators_model_type: peagle` with `mask_token_id`, which vLLM
-maps to `PeagleLlamaForCausalLM` with parallel drafting on. Both may hold several decoder layers; vLLM
-builds a `hidden_norm` in every layer and loads each, so layers after the first ship an unused all-ones
-one.
+  The file is also what speculators 0.9 (vLLM's own trainer) loads with `SpeculatorModel.from_pretrained`:
+  beside `d2t` it holds `t2d` (bool [V], V_d entries set), which speculators needs and vLLM skips, and the
+  verifier is the target as users name it (`verifier_name`): speculators loads the target's embedding and
+  layer count from it, and `vllm serve EXPORT` serves it as the target.
+P-EAGLE (parallel drafting, docs/design.md#p-eagle) is an EAGLE-3 export plus `mask_hidden` and the mask
+token: plain = the EAGLE-3 plain config with `mask_token_id` (served with `parallel_drafting: true` in the
+speculative config) and `mask_hidden` [1, A*H]; speculators = `speculators_model_type: peagle` with
+`mask_token_id`, which vLLM maps to `PeagleLlamaForCausalLM` with parallel drafting on, and `mask_hidden`
+[1, 1, A*H], the shape speculators' model holds (vLLM reads either as `.view(1, -1)`). Both may hold several
+decoder layers; vLLM builds a `hidden_norm` in every layer and loads each, so layers after the first ship an
+unused all-ones one (speculators reports it unexpected, and loads).
 EAGLE-1 is a plain one-layer Llama config (`architectures: [LlamaForCausalLM]`; vLLM's `method: eagle` maps
 it to its EAGLE Llama) with `fc` and `layers.0.*` minus `input_layernorm`, and no `norm` or `lm_head`: any
 of the three is a load error.
@@ -29,13 +34,12 @@ of the three is a load error.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from artifacts import atomic
 from artifacts.vocab import load_vocab_map
 from heads.eagle3 import NORM_FLAGS
 from heads.head_file import HeadRecord, read_head
@@ -91,10 +95,27 @@ def eagle1_config(head_config: dict, target_config, dtype: str) -> dict:
     return {"architectures": ["LlamaForCausalLM"], **llama_layer_config(head_config, target_config, dtype)}
 
 
+def verifier_name(target_path: str) -> str | None:
+    """The target as the speculators config names it (`speculators_config.verifier.name_or_path`): a hub id
+    as it is, a local directory made absolute, None when no target is named.
+
+    speculators 0.9 loads the target's layer count, embedding and lm_head from it, and `vllm serve EXPORT`
+    serves it as the target, so it must be what users load the target by: a hub id works anywhere, a
+    directory only where it exists (the embedded SmolLM2 is such a directory: converted from a GGUF, its
+    weights are not the hub's HuggingFaceTB/SmolLM2-135M-Instruct, so the hub id would name another target).
+    A local directory is told from a hub id as `target.model.target_dir` tells them.
+    """
+    if not target_path:
+        return None
+    path = Path(target_path).expanduser()
+    return str(path.resolve()) if path.is_dir() else target_path
+
+
 def eagle3_speculators_config(
     head_config: dict, target_config, dtype: str, target_path: str, num_speculative_tokens: int
 ) -> dict:
-    """config.json of the speculators format (`peagle` for a head with a mask token)."""
+    """config.json of the speculators format (`peagle` for a head with a mask token); `target_path`: the
+    target as configured (`target.path`), written as `verifier_name` gives it."""
     layer = {
         **llama_layer_config(head_config, target_config, dtype),
         "num_aux_hidden_states": len(head_config["aux_layer_ids"]),
@@ -116,7 +137,7 @@ def eagle3_speculators_config(
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {
-                "name_or_path": target_path,
+                "name_or_path": verifier_name(target_path),
                 "architectures": list(target_config.architectures or []),
             },
         },
@@ -151,14 +172,16 @@ def export_head(
     target_path: str = "",
     num_speculative_tokens: int = 3,
     head: tuple[HeadRecord, dict] | None = None,
+    allow_unverified_head: bool = False,
 ) -> Path:
     """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically.
 
     EAGLE-3 heads go to `fmt` (speculators or plain); EAGLE-1 heads have one format, plain Llama.
     `head`: the directory's (record, weights) as `read_head` returned them, when the caller has read them.
+    `allow_unverified_head`: export a head whose record holds no checksums (export.allow_unverified_head).
     """
     # Checksums, finite and sane weights: a corrupt head is refused here, whoever exports it.
-    record, head_weights = head or read_head(head_dir)
+    record, head_weights = head or read_head(head_dir, allow_unverified=allow_unverified_head)
     kind, c = record.kind, record.config.to_dict()
     fmt = export_format(kind, fmt)
     if dtype not in DTYPES:
@@ -176,15 +199,15 @@ def export_head(
             config = eagle3_plain_config(c, target_config, dtype)
         else:
             config = eagle3_speculators_config(c, target_config, dtype, target_path, num_speculative_tokens)
+            if vocab.d2t is not None:  # speculators loads the pair or neither; vLLM skips t2d
+                weights["t2d"] = vocab.t2d.to(torch.bool)
+            if "mask_hidden" in weights:  # speculators' PEagleDraftModel holds [1, 1, A*H]
+                weights["mask_hidden"] = weights["mask_hidden"].reshape(1, 1, -1)
     else:
         config = eagle1_config(c, target_config, dtype)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    with atomic.publish_dir(out_dir) as tmp:  # the old export stays whole until this one replaces it
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
 
@@ -257,6 +280,16 @@ def served_norm_flags(config: dict) -> dict:
     return {flag: bool(value) for flag, value in flags.items()}
 
 
+def read_export_weights(export_dir: Path) -> dict[str, torch.Tensor]:
+    """An export's model.safetensors as vLLM 0.32's EAGLE-3 loader takes it: `t2d` skipped, `mask_hidden`
+    read as [1, A*H] (its `.view(1, -1)`, so the speculators format's [1, 1, A*H] serves the same)."""
+    weights = load_file(str(Path(export_dir) / "model.safetensors"))
+    weights.pop("t2d", None)
+    if "mask_hidden" in weights:
+        weights["mask_hidden"] = weights["mask_hidden"].reshape(1, -1)
+    return weights
+
+
 def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
     """An export loaded back into the project's head class, in fp32: (draft, draft_to_target or None).
 
@@ -264,7 +297,7 @@ def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
     misnames shows up as a different head here.
     """
     kind, fields = read_export_config(export_dir)
-    weights = load_file(str(export_dir / "model.safetensors"))
+    weights = read_export_weights(export_dir)
     d2t = weights.pop("d2t", None)
     for i in range(1, fields.get("num_hidden_layers", 1)):
         weights.pop(f"layers.{i}.hidden_norm.weight", None)  # vLLM's unused one

@@ -85,14 +85,13 @@ def vllm_acceptance(
 
 
 def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> list[str]:
-    """Where the export, read as vLLM reads it, differs from the trained head (empty when it does not)."""
-    from safetensors.torch import load_file
-
-    from export.to_vllm import read_export_config
+    """Where the export, read as vLLM reads it, differs from the trained head (empty when it does not);
+    its draft vocabulary map too, `t2d` included (speculators reads it, vLLM does not)."""
+    from export.to_vllm import read_export_config, read_export_weights
     from heads.head_file import read_head
     from target.model import DTYPES
 
-    _, fields = read_export_config(export_dir)
+    kind, fields = read_export_config(export_dir)
     record, weights = read_head(head_dir)
     trained = record.config.to_dict()
     # The export raises max_position_embeddings to the target's on purpose.
@@ -101,11 +100,35 @@ def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> l
         for k in fields
         if k in trained and k != "max_position_embeddings" and fields[k] != trained[k]
     ]
-    exported = load_file(str(export_dir / "model.safetensors"))
+    exported = read_export_weights(export_dir)
     for name, tensor in weights.items():
         if name not in exported:
             differences.append(f"{name}: missing from the export")
         elif not torch.equal(exported[name].float(), tensor.to(DTYPES[export_dtype]).float()):
+            differences.append(f"{name}: other values in the export")
+    return differences + (vocab_differences(export_dir, head_dir) if kind != "eagle1" else [])
+
+
+def vocab_differences(export_dir: Path, head_dir: Path) -> list[str]:
+    """Where the export's draft vocabulary map differs from the head's vocab.safetensors: `d2t` (only when
+    the vocabulary is pruned) and, in the speculators format, `t2d` beside it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from artifacts.vocab import load_vocab_map
+
+    exported = load_file(str(export_dir / "model.safetensors"))
+    vocab = load_vocab_map(head_dir / "vocab.safetensors")
+    speculators = "speculators_model_type" in json.loads((export_dir / "config.json").read_text())
+    wanted = {"d2t": vocab.d2t, "t2d": vocab.t2d if speculators and vocab.d2t is not None else None}
+    differences = []
+    for name, tensor in wanted.items():
+        if tensor is None and name in exported:
+            differences.append(f"{name}: in the export, where the head has none")
+        elif tensor is not None and name not in exported:
+            differences.append(f"{name}: missing from the export")
+        elif tensor is not None and not torch.equal(exported[name], tensor.to(exported[name].dtype)):
             differences.append(f"{name}: other values in the export")
     return differences
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from artifacts import atomic
 from artifacts.cache import file_sha256
-from artifacts.manifest import write_json_atomic
 from heads.config import LlamaLayerConfig
 from heads.kinds import head_kind, load_weights
 from heads.layers import DraftModel
@@ -102,13 +101,22 @@ def read_record(head_dir: Path) -> HeadRecord:
     return HeadRecord.from_json(values, config_path)
 
 
-def read_head(head_dir: Path) -> tuple[HeadRecord, dict[str, torch.Tensor]]:
+def read_head(head_dir: Path, allow_unverified: bool = True) -> tuple[HeadRecord, dict[str, torch.Tensor]]:
     """A trained head's record and weights, after checking them: each file against the checksum
-    `write_head` recorded, the weights finite and of sane size. Raises ValueError naming the file at fault."""
+    `write_head` recorded, the weights finite and of sane size. Raises ValueError naming the file at fault.
+
+    `allow_unverified=False` (export) refuses a record without checksums: an old head, or a forged one - a
+    weight zeroed and the checksums deleted passes every other check. True: read it with a warning."""
     from safetensors.torch import load_file
 
     head_dir = Path(head_dir)
     record = read_record(head_dir)
+    if record.files is None and not allow_unverified:
+        raise ValueError(
+            f"{head_dir / HEAD_CONFIG} records no checksums of {' and '.join(HEAD_FILES)} (a head written before "
+            "they existed, or edited after training), so they cannot be checked against what train wrote: "
+            "retrain it, or export it unverified with export.allow_unverified_head=true"
+        )
     if record.files is None:
         log.warning(
             "%s records no checksums (written before they existed): its files are not checked",
@@ -151,14 +159,11 @@ def write_head(
     """The final head, built beside `directory` and renamed into place: a crash leaves the old one whole."""
     from safetensors.torch import save_file
 
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(
-        {k: v.detach().float().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors")
-    )
-    shutil.copy(vocab_file, tmp / "vocab.safetensors")
-    record = dataclasses.replace(record, files={name: file_sha256(tmp / name) for name in HEAD_FILES})
-    write_json_atomic(tmp / HEAD_CONFIG, record.to_json())
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
+    with atomic.publish_dir(directory) as tmp:
+        save_file(
+            {k: v.detach().float().contiguous().cpu() for k, v in weights.items()},
+            str(tmp / "model.safetensors"),
+        )
+        shutil.copy(vocab_file, tmp / "vocab.safetensors")
+        record = dataclasses.replace(record, files={name: file_sha256(tmp / name) for name in HEAD_FILES})
+        atomic.write_json(tmp / HEAD_CONFIG, record.to_json())

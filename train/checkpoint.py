@@ -3,23 +3,22 @@
     <run_dir>/ckpt/step-000200/     accelerate state (weights, optimizer, RNG of every rank, scheduler)
                                     + trainer_state.json (step, epoch), written last
 
-A checkpoint is written to a temporary directory and renamed when complete, so a kill at any moment
-leaves the previous one intact. The final head (`<run_dir>/draft_head/`) is the head file's, read and
-written only by heads/head_file.py.
+A checkpoint is built in a staging directory beside it and swapped in when complete (artifacts/atomic.py),
+so a kill at any moment leaves the previous one intact. The final head (`<run_dir>/draft_head/`) is the
+head file's, read and written only by heads/head_file.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from artifacts.manifest import write_json_atomic
+from artifacts import atomic
 from artifacts.vocab import VocabMap, load_vocab_map
 from heads.eagle3 import NORM_FLAGS
 from heads.head_file import HEAD_CONFIG, check_weights, read_head, read_record
@@ -30,9 +29,10 @@ STATE_FILE = "trainer_state.json"
 
 
 def checkpoint_dirs(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first (with what a killed save or removal left recovered first)."""
     if not ckpt_dir.exists():
         return []
+    atomic.recover_dirs(ckpt_dir, "step-*")
     found = [p for p in ckpt_dir.glob("step-*") if (p / STATE_FILE).exists()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
@@ -78,10 +78,9 @@ def save_checkpoint(
     """Every rank saves its part; the main rank completes and publishes the checkpoint (with `settings`,
     the run's trajectory settings, in its trainer state)."""
     final = ckpt_dir / f"step-{step:06d}"
-    tmp = ckpt_dir / f".tmp-step-{step:06d}"
+    tmp = atomic.staging_path(final)  # the same on every rank: each writes its part into it
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        atomic.begin_publish(final)
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
@@ -92,22 +91,26 @@ def save_checkpoint(
         ) from error
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json_atomic(tmp / STATE_FILE, {"step": step, "epoch": epoch, "settings": settings})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        atomic.write_json(tmp / STATE_FILE, {"step": step, "epoch": epoch, "settings": settings})
+        atomic.finish_publish(tmp, final)
         for old in checkpoint_dirs(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            atomic.remove_dir(old)
     accelerator.wait_for_everyone()
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore a checkpoint written by `save_checkpoint`; returns its trainer state (step, epoch)."""
+def read_trainer_state(path: Path) -> dict:
+    """The trainer state (step, epoch, settings) of a checkpoint written by `save_checkpoint`."""
     state_file = path / STATE_FILE
     if not state_file.exists():
         raise ValueError(f"{path} is not a complete checkpoint (no {STATE_FILE}); pick another or start over")
+    return json.loads(state_file.read_text())
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    """Restore a checkpoint written by `save_checkpoint`; returns its trainer state (step, epoch)."""
+    state = read_trainer_state(path)
     try:
-        state = json.loads(state_file.read_text())
         accelerator.load_state(str(path))
     except Exception as error:
         raise ValueError(
@@ -119,6 +122,7 @@ def load_checkpoint(accelerator, path: Path) -> dict:
 def read_head_weights(path: Path) -> dict[str, torch.Tensor]:
     """Trainable head weights from a final head directory or a checkpoint directory (for warm starts)."""
     path = Path(path)
+    atomic.recover_dir(path)  # a head or checkpoint whose publication was killed: the old one back in place
     if (path / HEAD_CONFIG).exists():
         return read_head(path)[1]
     if (path / STATE_FILE).exists():

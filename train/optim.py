@@ -22,6 +22,8 @@ def make_optimizer(cfg, model: torch.nn.Module) -> torch.optim.AdamW:
     )
 
 
+# Not transformers' get_cosine_with_min_lr_schedule_with_warmup: its warmup starts at lr 0 (a wasted first
+# step; its `_lr_rate` variant warms up as here but decays a step earlier): the golden losses would change.
 def lr_factor(step: int, num_steps: int, warmup_ratio: float, min_ratio: float) -> float:
     """Linear warmup then cosine to `min_ratio`, sized from the real number of optimizer steps."""
     warmup = max(1, round(warmup_ratio * num_steps))
