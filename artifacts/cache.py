@@ -25,9 +25,10 @@ Files are memory-mapped: reading a sample reads only its rows.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from artifacts.manifest import read_manifest, write_json_atomic
+from artifacts import atomic
+from artifacts.manifest import read_manifest
 
 SHARD_FORMAT = "eagle-hidden-cache-v1"
 HIDDEN_DTYPE = torch.bfloat16
@@ -85,10 +87,19 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
         "num_loss_tokens": int(loss_mask.sum()),
         "num_bytes": len(data),
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    write_json_atomic(sidecar_path(path), info)
+    try:
+        atomic.write_bytes(path, data)
+        atomic.write_json(sidecar_path(path), info)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(
+            errno.ENOSPC,
+            f"{path}: the disk is full writing this {len(data) / 1e6:.1f} MB shard ({free / 1e9:.2f} GB free). "
+            "Every finished shard is kept: free some space (or move run_dir to a larger disk), then rerun "
+            "the same command to resume",
+        ) from error
     return info
 
 

@@ -8,12 +8,58 @@ A run is one experiment file plus a few overrides, e.g.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a setting's value must satisfy, and how to say so: `{key}={value}: must be {wanted}`."""
+
+    test: Callable[[Any], bool]
+    wanted: str
+
+
+def checked(
+    default: Any = dataclasses.MISSING, check: Check | None = None, factory: Any = dataclasses.MISSING
+):
+    """A schema field with its check beside it; `check_config` applies every one when a config is composed."""
+    return field(default=default, default_factory=factory, metadata={"check": check})
+
+
+def one_of(*choices) -> Check:
+    return Check(lambda v: v in choices, "one of " + ", ".join(map(str, choices)))
+
+
+def optional(check: Check) -> Check:
+    return Check(lambda v: v is None or check.test(v), f"{check.wanted} or null")
+
+
+def within(low: float, high: float, high_closed: bool = True, low_closed: bool = True) -> Check:
+    def test(v):
+        return (low <= v if low_closed else low < v) and (v <= high if high_closed else v < high)
+
+    return Check(test, f"in {'[' if low_closed else '('}{low}, {high}{']' if high_closed else ')'}")
+
+
+POSITIVE = Check(lambda v: v is not None and v > 0, "> 0")
+NON_NEGATIVE = Check(lambda v: v is not None and v >= 0, ">= 0")
+NON_EMPTY = Check(lambda v: bool(v), "non-empty")
+DTYPE = one_of("bfloat16", "float16", "float32")
+REPORT_TO = one_of("none", "wandb")
+WANDB_MODE = one_of("offline", "online")
+RECORD_FORMAT = one_of("auto", "sharegpt", "openai", "fields")
+HEAD_KINDS = ("eagle3", "peagle", "eagle1")  # heads/kinds.py's KINDS (tests hold them equal)
+RESUME = Check(
+    lambda v: str(v).lower() in ("never", "always", "auto", "true", "false"), "never, always (true) or auto"
+)
+POSITIVE_LIST = Check(lambda v: bool(v) and all(x > 0 for x in v), "a non-empty list of values > 0")
+
 
 # ShareGPT dumps name the assistant after the product that answered; all of them are the assistant.
 DEFAULT_ROLE_MAP = {
@@ -32,7 +78,8 @@ DEFAULT_ROLE_MAP = {
 class TargetConfig:
     path: str = MISSING  # HF hub id or local directory of the target model (weights + tokenizer)
     revision: str | None = None  # hub revision (branch, tag or commit); ignored for local directories
-    dtype: str = "bfloat16"  # dtype the target runs in while caching: bfloat16 | float16 | float32
+    # dtype the target runs in while caching: bfloat16 | float16 | float32
+    dtype: str = checked("bfloat16", DTYPE)
     chat_template: str | None = None  # Jinja chat template (or a path to one) for tokenizers without one
     build: str | None = (
         None  # build an embedded target at `path` if absent: smoke | smollm2 | smollm2_upgraded
@@ -46,12 +93,13 @@ class DataSourceConfig:
     name: str = MISSING  # short label; this source's conversation ids become `name/id`, unique across the mix
     source: str = MISSING  # as `data.source`: HF dataset name, `save_to_disk` directory or local file(s)
     split: str = "train"  # split to read from HF datasets sources
-    format: str = "auto"  # record format: auto | sharegpt | openai | fields
+    format: str = checked("auto", RECORD_FORMAT)  # record format: auto | sharegpt | openai | fields
     messages_field: str | None = None  # field holding the turns (auto: `conversations` or `messages`)
     role_field: str = "role"  # per-turn role key for format=fields
     content_field: str = "content"  # per-turn text key for format=fields
     id_field: str | None = "id"  # record id key; records without one get a hash of their content
-    num_samples: int | None = None  # use only the first N valid conversations of this source (None: all)
+    # use only the first N valid conversations of this source (None: all)
+    num_samples: int | None = checked(None, optional(POSITIVE))
 
 
 @dataclass
@@ -61,7 +109,7 @@ class DataConfig:
         default_factory=list
     )  # sources read in order instead of `source` (keep it null); split..id_field, num_samples: per entry
     split: str = "train"  # split to read from HF datasets sources
-    format: str = "auto"  # record format: auto | sharegpt | openai | fields
+    format: str = checked("auto", RECORD_FORMAT)  # record format: auto | sharegpt | openai | fields
     messages_field: str | None = None  # field holding the turns (auto: `conversations` or `messages`)
     role_field: str = "role"  # per-turn role key for format=fields (sharegpt uses `from`, openai `role`)
     content_field: str = (
@@ -72,31 +120,32 @@ class DataConfig:
         default_factory=lambda: dict(DEFAULT_ROLE_MAP)
     )  # source role -> system|user|assistant
     system_prompt: str | None = None  # system message added to conversations that have none
-    num_samples: int | None = None  # use only the first N valid conversations (None: all)
-    max_turns: int | None = None  # keep only the first N question/answer exchanges of each (None: all)
+    # use only the first N valid conversations (None: all)
+    num_samples: int | None = checked(None, optional(POSITIVE))
+    # keep only the first N question/answer exchanges of each (None: all)
+    max_turns: int | None = checked(None, optional(POSITIVE))
     match: str | None = None  # keep only conversations whose first user turn matches this regex (re.search)
-    eval_fraction: float = 0.05  # fraction held out for evaluation, chosen by a hash of the conversation id
+    # fraction held out for evaluation, chosen by a hash of the conversation id
+    eval_fraction: float = checked(0.05, within(0, 1, high_closed=False))
     strict: bool = False  # raise on a corrupt or truncated file instead of using its complete records
 
 
 @dataclass
 class RenderConfig:
-    max_length: int = 2048  # longest tokenized conversation kept
-    overlong: str = (
-        "truncate"  # what to do with longer ones: truncate (keep the first max_length tokens) | drop
-    )
+    max_length: int = checked(2048, POSITIVE)  # longest tokenized conversation kept
+    # what to do with longer ones: truncate (keep the first max_length tokens) | drop
+    overlong: str = checked("truncate", one_of("truncate", "drop"))
 
 
 @dataclass
 class RegenConfig:
     enabled: bool = False  # replace every assistant turn with the target's own answer (vLLM, offline API)
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus sampling when temperature > 0
-    max_new_tokens: int = 512  # cap on each regenerated turn
+    temperature: float = checked(0.0, NON_NEGATIVE)  # 0 = greedy
+    top_p: float = checked(1.0, within(0, 1, low_closed=False))  # nucleus sampling when temperature > 0
+    max_new_tokens: int = checked(512, POSITIVE)  # cap on each regenerated turn
     seed: int = 0  # sampling seed (vLLM per-request seeds derive from it)
-    batch_size: int = (
-        256  # conversations per chunk: one vLLM call per turn, saved when done (the resume unit)
-    )
+    # conversations per chunk: one vLLM call per turn, saved when done (the resume unit)
+    batch_size: int = checked(256, POSITIVE)
     vllm_kwargs: dict[str, Any] = field(
         default_factory=dict
     )  # extra `vllm.LLM(...)` arguments (e.g. enforce_eager)
@@ -106,13 +155,18 @@ class RegenConfig:
 class CaptureConfig:
     """Where the cache's hidden states come from (data_prep; target/capture.py, docs/design.md#capture)."""
 
-    engine: str = "hf"  # hf: a transformers target, after regeneration | vllm: the serving engine (with
-    # regen.enabled, in the same pass that regenerates; else a prompt-only pass); targets beyond one device
-    tensor_parallel_size: int = 1  # devices per vLLM engine (one engine per data_prep process)
-    pipeline_parallel_size: int = 1  # refused above 1: vLLM 0.32 does not capture under pipeline parallel
-    transfer: str = "file"  # hs-connectors backend the states travel through: file | fp8 | mooncake
+    # hf: a transformers target, after regeneration | vllm: the serving engine (with regen.enabled, in the
+    # same pass that regenerates; else a prompt-only pass); targets beyond one device
+    engine: str = checked("hf", one_of("hf", "vllm"))
+    # devices per vLLM engine (one engine per data_prep process)
+    tensor_parallel_size: int = checked(1, POSITIVE)
+    # refused above 1: vLLM 0.32's capture reads one rank's cache, and no peer captures under pipeline
+    # parallelism; capture.tensor_parallel_size takes a target larger than one device
+    pipeline_parallel_size: int = checked(1, Check(lambda v: v == 1, "1 (use capture.tensor_parallel_size)"))
+    # hs-connectors backend the states travel through: file | fp8 | mooncake
+    transfer: str = checked("file", one_of("file", "fp8", "mooncake"))
     transfer_args: dict[str, Any] = field(default_factory=dict)  # that backend's settings (e.g. mooncake's)
-    batch_size: int = 256  # samples per vLLM call in a prompt-only pass
+    batch_size: int = checked(256, POSITIVE)  # samples per vLLM call in a prompt-only pass
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra `vllm.LLM(...)` arguments of a
     # prompt-only pass (when regenerating, the engine is regeneration's: regen.vllm_kwargs)
 
@@ -122,82 +176,108 @@ class CacheConfig:
     aux_layer_ids: list[int] | None = (
         None  # EAGLE-3 aux layers, vLLM ids; None: (2, L//2, L-3); [] for EAGLE-1 only
     )
-    draft_vocab_size: int = 32000  # draft vocab kept by frequency; >= target vocab means no pruning
-    draft_vocab_fill: str = "prompt"  # slots the answers leave: by prompt-token frequency (prompt) | by id
+    # draft vocab kept by frequency; >= target vocab means no pruning
+    draft_vocab_size: int = checked(32000, POSITIVE)
+    # slots the answers leave: by prompt-token frequency (prompt) | by id
+    draft_vocab_fill: str = checked("prompt", one_of("prompt", "id"))
     hidden_states: bool = True  # false: tokens and loss masks only, no target forward (train.features=online)
-    max_tokens_per_batch: int = 8192  # padded tokens per target forward
-    max_shard_mb: int = 1024  # shard size cap; shards never depend on the number of processes
-    num_threads: int | None = None  # torch CPU threads per process (None: torch's default)
+    max_tokens_per_batch: int = checked(8192, POSITIVE)  # padded tokens per target forward
+    # shard size cap; shards never depend on the number of processes
+    max_shard_mb: int = checked(1024, POSITIVE)
+    # torch CPU threads per process (None: torch's default)
+    num_threads: int | None = checked(None, optional(POSITIVE))
 
 
 @dataclass
 class HeadConfig:
-    kind: str = "eagle3"  # eagle3 | peagle (EAGLE-3 with parallel drafting) | eagle1
+    # eagle3 | peagle (EAGLE-3 with parallel drafting) | eagle1
+    kind: str = checked("eagle3", one_of(*HEAD_KINDS))
     # EAGLE-3 / P-EAGLE normalisation flags (speculators' names and vLLM's meaning; false = original recipe):
     norm_before_residual: bool = False  # the layer's residual is the normed hidden state, not the raw one
     norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc
     fc_norm: bool = False  # one RMSNorm per aux state before fc
     norm_output: bool = False  # a chain's next step reads the post-norm output (EAGLE-3 TTT; P-EAGLE: unused)
-    lm_head_init: str = "random"  # random | target: lm_head = the target's rows of the draft vocab, norm its
+    # random | target: lm_head = the target's rows of the draft vocab, norm its
+    lm_head_init: str = checked("random", one_of("random", "target"))
     freeze_lm_head: bool = False  # keep lm_head fixed (with lm_head_init=target: the target's rows)
-    aux_noise: float = 0.0  # training adds U(-aux_noise, aux_noise) to the aux states (speculators: 0.05)
-    num_ttt_steps: int = 7  # EAGLE-3: training-time-test steps K of the rollout (draft positions trained)
-    num_depths: int = 3  # P-EAGLE: parallel depths trained (mask slots + 1); serve k <= this
-    gamma: float = 0.8  # the loss of draft position k (TTT step or parallel depth) weighs gamma^k
-    num_layers: int = 1  # P-EAGLE decoder layers (EAGLE-3's TTT rollout drives one)
+    # training adds U(-aux_noise, aux_noise) to the aux states (speculators: 0.05)
+    aux_noise: float = checked(0.0, NON_NEGATIVE)
+    # EAGLE-3: training-time-test steps K of the rollout (draft positions trained)
+    num_ttt_steps: int = checked(7, POSITIVE)
+    # P-EAGLE: parallel depths trained (mask slots + 1); serve k <= this
+    num_depths: int = checked(3, POSITIVE)
+    # the loss of draft position k (TTT step or parallel depth) weighs gamma^k
+    gamma: float = checked(0.8, within(0, 1, low_closed=False))
+    num_layers: int = checked(1, POSITIVE)  # P-EAGLE decoder layers (EAGLE-3's TTT rollout drives one)
     mask_token_id: int | None = None  # P-EAGLE mask slots' token (None: the target's pad, else eos token)
-    cod_ratio: float = 1.0  # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
-    eagle1_noise: float = 0.1  # EAGLE-1: input features get U(-noise, noise)
-    eagle1_ce_weight: float = 0.1  # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
+    # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
+    cod_ratio: float = checked(1.0, within(0, 1, low_closed=False))
+    eagle1_noise: float = checked(0.1, NON_NEGATIVE)  # EAGLE-1: input features get U(-noise, noise)
+    # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
+    eagle1_ce_weight: float = checked(0.1, NON_NEGATIVE)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4  # peak learning rate (SpecForge's; the official recipe uses 5e-5)
+    lr: float = checked(1e-4, POSITIVE)  # peak learning rate (SpecForge's; the official recipe uses 5e-5)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
-    weight_decay: float = 0.0  # AdamW weight decay
-    warmup_ratio: float = 0.015  # fraction of the optimizer steps spent warming up linearly
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio at the last step
-    max_grad_norm: float = 0.5  # gradient-norm clip
+    weight_decay: float = checked(0.0, NON_NEGATIVE)  # AdamW weight decay
+    # fraction of the optimizer steps spent warming up linearly
+    warmup_ratio: float = checked(0.015, within(0, 1, high_closed=False))
+    min_lr_ratio: float = checked(0.0, within(0, 1))  # cosine decays to lr * min_lr_ratio at the last step
+    max_grad_norm: float = checked(0.5, POSITIVE)  # gradient-norm clip
 
 
 @dataclass
 class TrainConfig:
-    num_epochs: int = 1  # passes over the cache's train split
-    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is sized to it)
-    num_samples: int | None = None  # train on the cache's first N train samples only (data-scaling runs)
-    batch_size: int = 4  # samples per micro-batch per process
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    num_epochs: int = checked(1, POSITIVE)  # passes over the cache's train split
+    # stop after this many optimizer steps (the schedule is sized to it)
+    max_steps: int | None = checked(None, optional(POSITIVE))
+    # train on the cache's first N train samples only (data-scaling runs)
+    num_samples: int | None = checked(None, optional(POSITIVE))
+    batch_size: int = checked(4, POSITIVE)  # samples per micro-batch per process
+    gradient_accumulation_steps: int = checked(1, POSITIVE)  # micro-batches per optimizer step
     # no | bf16 | fp16 (fp32 master weights either way); default bf16, or no on a CPU without bf16 arithmetic
-    mixed_precision: str = "${machine_precision:bf16}"
-    features: str = "cache"  # the target's hidden states: cache (read from data_prep's cache) | online
-    # (the frozen target runs on each micro-batch beside the head; the cache needs cache.hidden_states=false)
-    teacher_chunk_size: int = 2048  # tokens per full-vocab teacher logits chunk (memory bound)
-    log_every: int = 10  # status line (and W&B point) every N optimizer steps
-    eval_every: int = 100  # held-out eval every N optimizer steps (0: only at the end)
-    save_every: int = 200  # checkpoint every N optimizer steps (0: only at the end)
-    keep_last: int = 2  # checkpoints kept
-    resume: str = "never"  # never | always (continue from the newest checkpoint; error without one) | auto
+    mixed_precision: str = checked("${machine_precision:bf16}", one_of("no", "bf16", "fp16"))
+    # the target's hidden states: cache (read from data_prep's cache) | online (the frozen target runs on
+    # each micro-batch beside the head; the cache needs cache.hidden_states=false)
+    features: str = checked("cache", one_of("cache", "online"))
+    # tokens per full-vocab teacher logits chunk (memory bound)
+    teacher_chunk_size: int = checked(2048, POSITIVE)
+    log_every: int = checked(10, POSITIVE)  # status line (and W&B point) every N optimizer steps
+    eval_every: int = checked(100, NON_NEGATIVE)  # held-out eval every N optimizer steps (0: only at the end)
+    save_every: int = checked(200, NON_NEGATIVE)  # checkpoint every N optimizer steps (0: only at the end)
+    keep_last: int = checked(2, POSITIVE)  # checkpoints kept
+    # never | always (continue from the newest checkpoint; error without one) | auto
+    resume: str = checked("never", RESUME)
     resume_changed: bool = False  # resume although trajectory settings differ from the checkpoint's (logged)
     init_from: str | None = None  # warm start: a final head directory or a checkpoint directory
-    report_to: str = "none"  # none | wandb (W&B through accelerate; offline mode needs no account)
+    # none | wandb (W&B through accelerate; offline mode needs no account)
+    report_to: str = checked("none", REPORT_TO)
     wandb_project: str = "eagle-heads"  # W&B project name
-    wandb_mode: str = "offline"  # offline | online
-    num_threads: int | None = None  # torch CPU threads per process (None: torch's default)
+    wandb_mode: str = checked("offline", WANDB_MODE)  # offline | online
+    # torch CPU threads per process (None: torch's default)
+    num_threads: int | None = checked(None, optional(POSITIVE))
 
 
 @dataclass
 class ExportConfig:
     head_dir: str | None = None  # the trained head to export (None: <run_dir>/draft_head)
     out_dir: str | None = None  # where the export goes (None: <run_dir>/export)
-    format: str = "speculators"  # EAGLE-3: speculators | plain; an EAGLE-1 head is always a plain Llama
-    dtype: str = "bfloat16"  # weight dtype written: bfloat16 | float16 | float32
-    num_speculative_tokens: int = 3  # k written into the speculators config and decoded by verify
+    allow_unverified_head: bool = False  # export a head whose draft_config.json records no checksums
+    # EAGLE-3: speculators | plain; an EAGLE-1 head is always a plain Llama
+    format: str = checked("speculators", one_of("speculators", "plain"))
+    dtype: str = checked("bfloat16", DTYPE)  # weight dtype written: bfloat16 | float16 | float32
+    # k written into the speculators config and decoded by verify
+    num_speculative_tokens: int = checked(3, POSITIVE)
     verify: bool = False  # prove it in vLLM: load + generate, then acceptance parity with the reference
-    verify_num_prompts: int = 8  # held-out prompts (the cache's eval split, first user turn) both decode
-    verify_max_new_tokens: int = 64  # tokens generated per prompt
-    verify_dtype: str = "float32"  # compute dtype of vLLM and the reference (parity is tight in fp32)
-    verify_tolerance: float = 0.02  # max gap: relative on mean acceptance length, absolute per position
+    # held-out prompts (the cache's eval split, first user turn) both decode
+    verify_num_prompts: int = checked(8, POSITIVE)
+    verify_max_new_tokens: int = checked(64, POSITIVE)  # tokens generated per prompt
+    # compute dtype of vLLM and the reference (parity is tight in fp32)
+    verify_dtype: str = checked("float32", DTYPE)
+    # max gap: relative on mean acceptance length, absolute per position
+    verify_tolerance: float = checked(0.02, NON_NEGATIVE)
     vllm_kwargs: dict[str, Any] = field(
         default_factory=dict
     )  # extra `vllm.LLM(...)` arguments for the verification (e.g. gpu_memory_utilization)
@@ -205,22 +285,23 @@ class ExportConfig:
 
 @dataclass
 class EvalHeadConfig:
-    name: str = "head"  # label in reports (compare mode: one entry per head)
-    method: str = (
-        "export"  # export (a trained head: EAGLE-3 / P-EAGLE / EAGLE-1) | ngram (vLLM's prompt lookup)
-    )
+    name: str = checked("head", NON_EMPTY)  # label in reports (compare mode: one entry per head)
+    # export (a trained head: EAGLE-3 / P-EAGLE / EAGLE-1) | ngram (vLLM's prompt lookup)
+    method: str = checked("export", one_of("export", "ngram"))
     path: str | None = None  # export directory to serve (None: <run_dir>/export); unused for ngram
-    num_speculative_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # the k sweep
-    prompt_lookup_max: int = 4  # ngram: longest n-gram matched in the prompt and output so far
-    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched
+    # the k sweep
+    num_speculative_tokens: list[int] = checked(factory=lambda: [1, 2, 3, 4, 5], check=POSITIVE_LIST)
+    # ngram: longest n-gram matched in the prompt and output so far
+    prompt_lookup_max: int = checked(4, POSITIVE)
+    prompt_lookup_min: int = checked(1, POSITIVE)  # ngram: shortest n-gram matched
 
 
 @dataclass
 class WorkloadConfig:
-    name: str = MISSING  # label in reports
+    name: str = checked(MISSING, NON_EMPTY)  # label in reports
     source: str = MISSING  # chat (the cache's held-out prompts) | code (HumanEval) | path to a JSONL
-    num_prompts: int = 32  # prompts sent per measured run
-    max_tokens: int = 128  # output tokens per request
+    num_prompts: int = checked(32, POSITIVE)  # prompts sent per measured run
+    max_tokens: int = checked(128, POSITIVE)  # output tokens per request
 
 
 @dataclass
@@ -229,22 +310,22 @@ class EvalConfig:
     workloads: list[WorkloadConfig] = field(
         default_factory=lambda: [WorkloadConfig("chat", "chat"), WorkloadConfig("code", "code")]
     )  # what to send
-    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # requests in flight
+    concurrency: list[int] = checked(factory=lambda: [1, 4, 16], check=POSITIVE_LIST)  # requests in flight
     baseline: bool = True  # also serve the target without speculation (speedups need it)
     offline: bool = False  # no vLLM: acceptance only, from the reference decoder on the exported heads
-    temperature: float = 0.0  # sampling temperature of every request (0: greedy)
+    temperature: float = checked(0.0, NON_NEGATIVE)  # sampling temperature of every request (0: greedy)
     ignore_eos: bool = False  # generate max_tokens even past the end of an answer
-    enable_threshold: float = 1.05  # recommend a head where its best speedup reaches this
+    enable_threshold: float = checked(1.05, POSITIVE)  # recommend a head where its best speedup reaches this
     serve_schedule: bool = True  # serve each recommended per-batch-size k schedule once and measure it
     out_dir: str | None = None  # report directory (None: <run_dir>/eval)
     server_args: dict[str, Any] = field(
         default_factory=dict
     )  # extra `vllm serve` flags, name -> value (true: a bare flag), e.g. max-model-len: 4096
-    startup_timeout_s: float = 900.0  # wait this long for a server's /health
-    request_timeout_s: float = 600.0  # per request
-    report_to: str = "none"  # none | wandb (offline mode needs no account)
+    startup_timeout_s: float = checked(900.0, POSITIVE)  # wait this long for a server's /health
+    request_timeout_s: float = checked(600.0, POSITIVE)  # per request
+    report_to: str = checked("none", REPORT_TO)  # none | wandb (offline mode needs no account)
     wandb_project: str = "eagle-heads"  # W&B project name
-    wandb_mode: str = "offline"  # offline | online
+    wandb_mode: str = checked("offline", WANDB_MODE)  # offline | online
 
 
 @dataclass
@@ -252,13 +333,16 @@ class GridConfig:
     """train/grid.py: recipes trained side by side on one cache (conf/grid/*.yaml)."""
 
     name: str = "grid"  # results go to <run_dir>/grid/<name>/
-    max_steps: int = 300  # optimizer steps of every variant (the learning-rate schedule is sized to it)
+    # optimizer steps of every variant (the learning-rate schedule is sized to it)
+    max_steps: int = checked(300, POSITIVE)
     variants: dict[str, list[str]] = field(
         default_factory=dict
     )  # variant name -> overrides of the train stage (head.*, optim.*, train.*); [] = the config as it is
-    acceptance_prompts: int = 16  # held-out prompts the reference decoder drafts per variant (0: skip)
-    acceptance_max_new_tokens: int = 96  # tokens generated per prompt
-    num_speculative_tokens: int = 3  # k of the acceptance measured and of the estimate tabulated
+    # held-out prompts the reference decoder drafts per variant (0: skip)
+    acceptance_prompts: int = checked(16, NON_NEGATIVE)
+    acceptance_max_new_tokens: int = checked(96, POSITIVE)  # tokens generated per prompt
+    # k of the acceptance measured and of the estimate tabulated
+    num_speculative_tokens: int = checked(3, POSITIVE)
 
 
 @dataclass
@@ -279,32 +363,6 @@ class PipelineConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     grid: GridConfig = field(default_factory=GridConfig)
-
-
-# (key, test, what it must be): values that would otherwise fail deep inside a stage, or not at all.
-POSITIVE = (lambda v: v is not None and v > 0, "> 0")
-CHECKS = [
-    ("train.batch_size", *POSITIVE),
-    ("train.gradient_accumulation_steps", *POSITIVE),
-    ("train.num_epochs", *POSITIVE),
-    ("train.max_steps", lambda v: v is None or v > 0, "> 0 or null (the epochs decide)"),
-    ("train.num_samples", lambda v: v is None or v > 0, "> 0 or null (all)"),
-    ("train.keep_last", *POSITIVE),
-    ("train.features", lambda v: v in ("cache", "online"), "cache or online"),
-    ("capture.engine", lambda v: v in ("hf", "vllm"), "hf or vllm"),
-    ("capture.tensor_parallel_size", *POSITIVE),
-    ("capture.batch_size", *POSITIVE),
-    ("train.eval_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
-    ("train.save_every", lambda v: v >= 0, ">= 0 (0: only at the end)"),
-    ("optim.lr", *POSITIVE),
-    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
-    ("optim.warmup_ratio", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("optim.max_grad_norm", *POSITIVE),
-    ("head.num_ttt_steps", *POSITIVE),
-    ("head.num_depths", *POSITIVE),
-    ("eval.concurrency", lambda v: bool(v) and all(c > 0 for c in v), "a non-empty list of values > 0"),
-]
 
 
 def unknown_keys(node, prefix: str = "") -> list[str]:
@@ -331,27 +389,107 @@ def unknown_keys(node, prefix: str = "") -> list[str]:
     return found
 
 
+def refuse(key: str, value, wanted: str) -> None:
+    """The one error style for a setting: what is wrong, the value, and the setting to change."""
+    raise ValueError(f"{key}={value}: must be {wanted}; change {key}")
+
+
+def field_errors(node, prefix: str = "") -> None:
+    """Apply every `checked` field's check under `node`, naming the first value that fails by its key."""
+    from omegaconf import ListConfig
+
+    if isinstance(node, ListConfig) and not node._is_none():
+        for index in range(len(node)):
+            field_errors(node._get_node(index), f"{prefix}[{index}]")
+        return
+    if not isinstance(node, DictConfig) or node._is_none():
+        return
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    for declared in dataclasses.fields(schema):
+        key = f"{prefix}.{declared.name}" if prefix else declared.name
+        check = declared.metadata.get("check")
+        if check is not None:
+            value = node[declared.name]
+            plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+            if not check.test(plain):
+                refuse(key, plain, check.wanted)
+        field_errors(node._get_node(declared.name), key)
+
+
+# Head settings an EAGLE-1 head has no use for (it reads no aux states and shares the target's lm_head).
+EAGLE3_ONLY = (
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "freeze_lm_head",
+    "aux_noise",
+)
+
+
+def check_combinations(cfg: DictConfig) -> None:
+    """Settings that are each valid but wrong together, refused before any stage starts work."""
+    if cfg.head.kind == "peagle" and cfg.export.num_speculative_tokens > cfg.head.num_depths:
+        refuse(
+            "export.num_speculative_tokens",
+            cfg.export.num_speculative_tokens,
+            f"<= head.num_depths={cfg.head.num_depths} (a P-EAGLE head drafts only the depths it trained; "
+            "or train with a larger head.num_depths)",
+        )
+    if cfg.head.kind == "eagle1":
+        eagle3_only = [f"head.{flag}" for flag in EAGLE3_ONLY if cfg.head[flag]]
+        eagle3_only += ["head.lm_head_init"] if cfg.head.lm_head_init != "random" else []
+        if eagle3_only:
+            refuse(
+                "head.kind",
+                "eagle1",
+                f"eagle3 or peagle for {', '.join(eagle3_only)} (an EAGLE-1 head has no aux states, fc norms "
+                "or lm_head of its own); or reset those settings",
+            )
+    if cfg.head.num_layers != 1 and cfg.head.kind != "peagle":
+        refuse(
+            "head.num_layers",
+            cfg.head.num_layers,
+            f"1 for a {cfg.head.kind} head (only P-EAGLE stacks layers)",
+        )
+    for key, entries in (
+        ("eval.heads", cfg.eval.heads),
+        ("eval.workloads", cfg.eval.workloads),
+        ("data.mix", cfg.data.mix),
+    ):
+        names = [entry.name for entry in entries]
+        if len(set(names)) != len(names):
+            refuse(f"{key}[].name", names, "unique (each names a report row, a server log, a source's ids)")
+    for index, head in enumerate(cfg.eval.heads):
+        if head.method == "ngram" and head.prompt_lookup_min > head.prompt_lookup_max:
+            refuse(f"eval.heads[{index}].prompt_lookup_min", head.prompt_lookup_min, "<= prompt_lookup_max")
+        own_export = head.method == "export" and head.path is None
+        if (
+            own_export
+            and cfg.head.kind == "peagle"
+            and max(head.num_speculative_tokens) > cfg.head.num_depths
+        ):
+            refuse(
+                f"eval.heads[{index}].num_speculative_tokens",
+                list(head.num_speculative_tokens),
+                f"<= head.num_depths={cfg.head.num_depths} (the P-EAGLE head of this run drafts no further)",
+            )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Refuse, naming the key, what the schema does not know (an override added with `+` is otherwise
-    accepted and silently ignored) and values no stage can use - before any stage starts work."""
+    accepted and silently ignored), values no stage can use (each field's check, declared beside it) and
+    settings wrong together - before any stage starts work."""
     unknown = unknown_keys(cfg)
     if unknown:
         raise ValueError(
             f"unknown config keys {unknown}: not settings of any stage (a typo? every key is in "
             "artifacts/config.py)"
         )
-    for key, test, wanted in CHECKS:
-        value = OmegaConf.select(cfg, key)
-        if not test(value):
-            raise ValueError(f"{key}={value}: must be {wanted}")
-    for index, workload in enumerate(cfg.eval.workloads):
-        for field_name in ("num_prompts", "max_tokens"):
-            if not workload[field_name] > 0:
-                raise ValueError(f"eval.workloads[{index}].{field_name}={workload[field_name]}: must be > 0")
-    for index, head in enumerate(cfg.eval.heads):
-        ks = list(head.num_speculative_tokens)
-        if not ks or any(k < 1 for k in ks):
-            raise ValueError(f"eval.heads[{index}].num_speculative_tokens={ks}: give k values >= 1")
+    field_errors(cfg)
+    check_combinations(cfg)
 
 
 def register_configs() -> None:

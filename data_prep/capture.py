@@ -72,7 +72,6 @@ def capture_engine(
         transfer=cfg.capture.transfer,
         transfer_overrides=dict(cfg.capture.transfer_args),
         tensor_parallel_size=cfg.capture.tensor_parallel_size,
-        pipeline_parallel_size=cfg.capture.pipeline_parallel_size,
         seed=cfg.regen.seed if regenerating else None,
     )
     return CaptureEngine(settings, layers, storage, cfg.capture.transfer, dict(cfg.capture.transfer_args))

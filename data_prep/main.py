@@ -25,15 +25,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from artifacts import atomic
 from artifacts.cache import read_shard_sidecar, read_shard_tokens, shard_path
 from artifacts.config import check_config, register_configs
-from artifacts.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    check_identity,
-    write_bytes_if_changed,
-    write_json_atomic,
-)
+from artifacts.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity
+from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
 from data_prep.capture import CapturedChunks, capture_engine, capture_layers, capture_record, storage_dir
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
@@ -140,6 +136,7 @@ def check_cache_dir(cache_dir: Path, identity: dict) -> None:
         )
 
 
+@holds_run_dir("data_prep")
 def run(cfg: DictConfig) -> dict:
     """Build (or finish) the cache in `<run_dir>/cache`; returns its manifest."""
     check_config(cfg)
@@ -151,7 +148,7 @@ def run(cfg: DictConfig) -> dict:
     cache_dir = run_dir / "cache"
     if accelerator.is_main_process:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "data_prep.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        atomic.write_text(run_dir / "data_prep.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         build_embedded_target(cfg.target)
     accelerator.wait_for_everyone()
 
@@ -178,7 +175,7 @@ def run(cfg: DictConfig) -> dict:
         if not cache_is_complete(
             cache_dir
         ):  # a complete one stays so: shards are rebuilt atomically, same bytes
-            write_json_atomic(
+            atomic.write_json(
                 cache_dir / MANIFEST_NAME, {"format": FORMAT_VERSION, "complete": False, **identity}
             )
     accelerator.wait_for_everyone()
@@ -227,8 +224,6 @@ def run(cfg: DictConfig) -> dict:
     if accelerator.is_main_process:
         ids = [s.input_ids for s in samples["train"]]
         counts = count_tokens(ids, [s.loss_mask for s in samples["train"]], target_config.vocab_size)
-        if cfg.cache.draft_vocab_fill not in ("prompt", "id"):
-            raise ValueError(f"cache.draft_vocab_fill={cfg.cache.draft_vocab_fill!r}: choose prompt or id")
         fill = None
         if cfg.cache.draft_vocab_fill == "prompt":
             prompt_masks = [[1 - m for m in s.loss_mask] for s in samples["train"]]
@@ -306,7 +301,7 @@ def run(cfg: DictConfig) -> dict:
         shards = [info for split in SPLITS for info in manifest["splits"][split]["shards"]]
         manifest["bytes_per_token"] = round(sum(i["num_bytes"] for i in shards) / sum(num_tokens.values()), 1)
         if not same_content(cache_dir / MANIFEST_NAME, manifest):  # a read-only finished cache stays usable
-            write_json_atomic(cache_dir / MANIFEST_NAME, manifest)
+            atomic.write_json(cache_dir / MANIFEST_NAME, manifest)
         log.info("cache complete: %s (%s)", cache_dir, {s: manifest["num_samples"][s] for s in SPLITS})
     accelerator.wait_for_everyone()
     return manifest
@@ -348,7 +343,7 @@ def states_source(cfg, accelerator, run_dir, cache_dir, tokenizer, layers, aux_l
 
 def write_eval_conversations(path: Path, conversations) -> None:
     lines = [json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False) for c in conversations]
-    write_bytes_if_changed(path, "".join(line + "\n" for line in lines).encode("utf-8"))
+    atomic.write_bytes_if_changed(path, "".join(line + "\n" for line in lines).encode("utf-8"))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)

@@ -16,8 +16,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from artifacts import atomic
 from artifacts.cache import file_sha256
-from artifacts.manifest import write_json_atomic
 from data_prep.render import render_conversation
 from target.vllm import EngineSettings, llm_kwargs
 
@@ -158,8 +158,6 @@ def regenerate_rank_share(
     """
     import vllm
 
-    if cfg.batch_size < 1:
-        raise ValueError(f"regen.batch_size={cfg.batch_size}: must be at least 1")
     out_dir.mkdir(parents=True, exist_ok=True)
     world, rank = accelerator.num_processes, accelerator.process_index
     chunks = [conversations[i : i + cfg.batch_size] for i in range(0, len(conversations), cfg.batch_size)]
@@ -194,7 +192,7 @@ def regenerate_rank_share(
                     )
                     shards = {"shards": capture.write(c, samples, counts)}
                 conversations_done = [{"id": x.id, "messages": x.messages} for x in new]
-                write_json_atomic(
+                atomic.write_json(
                     chunk_path(c), {"counts": counts, **shards, "conversations": conversations_done}
                 )
         finally:

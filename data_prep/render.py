@@ -97,8 +97,6 @@ def render_all(
 
     Returns the samples, the skipped conversations counted by reason, and how many were truncated.
     """
-    if overlong not in ("truncate", "drop"):
-        raise ValueError(f"render.overlong={overlong!r}: choose truncate or drop")
     samples, skipped, num_truncated = [], Counter(), 0
     for conv in conversations:
         try:

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from artifacts.config import check_config, register_configs
 from artifacts.prompts import stop_token_ids
+from artifacts.run_lock import holds_run_dir
 from eval.economics import recommend
 from eval.grid import schedule_configs, server_configs
 from eval.measure import served_runs
@@ -46,6 +47,7 @@ from target.reaper import leash
 log = logging.getLogger("eval")
 
 
+@holds_run_dir("eval")
 def run(cfg: DictConfig) -> dict:
     check_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

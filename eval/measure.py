@@ -2,7 +2,8 @@
 (eval/server.py): acceptance from the difference of the server's `/metrics` counters around each run
 (eval/prometheus.py), latency and throughput from the streaming client (eval/client.py). Each finished run
 is appended to <out_dir>/runs.jsonl under a key of everything that decides it, so an interrupted eval
-continues where it stopped; servers are always shut down (Ctrl-C and SIGTERM included).
+continues where it stopped; servers are always shut down (Ctrl-C, SIGTERM and SIGHUP included: the leash
+of target/reaper.py turns the last two into KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import signal
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -81,14 +81,6 @@ def measure(server: VllmServer, model: str, prompts, concurrency: int, workload,
     return {**summarize(results, duration), "acceptance": counts.summary() if counts.num_drafts else None}
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is, so every `with VllmServer` block shuts its server down."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated(f"signal {signum}")
-
-
 def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_dir: Path) -> list[dict]:
     """Every (config, workload, concurrency) measured on real servers, one server per config; finished
     runs come from <out_dir>/runs.jsonl instead."""
@@ -102,8 +94,7 @@ def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_
     ]
     runs = [finished[key]["run"] for *_, key in plan if key in finished]
     bar = tqdm(total=len(plan), initial=len(runs), desc="eval runs", unit="run")
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+    try:  # SIGTERM and SIGHUP raise KeyboardInterrupt here (target/reaper.py's leash): servers shut down
         for config in configs:
             todo = [(w, c, key) for cf, w, c, key in plan if cf is config and key not in finished]
             if not todo:
@@ -136,7 +127,6 @@ def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_
                         f.write(json.dumps({"key": key, "run": record}) + "\n")
                     bar.update()
     finally:
-        signal.signal(signal.SIGTERM, previous)
         bar.close()
 
     return runs

@@ -20,9 +20,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from artifacts.config import check_config, register_configs
-from artifacts.manifest import write_json_atomic
+from artifacts import atomic
+from artifacts.config import check_config, refuse, register_configs
 from artifacts.prompts import held_out_prompts, stop_token_ids
+from artifacts.run_lock import holds_run_dir
 from export.card import write_model_card
 from export.to_vllm import export_format, export_head
 from export.verify import VerificationError, verify_export
@@ -39,6 +40,7 @@ def verification_prompts(cfg, tokenizer, record: HeadRecord, run_dir: Path) -> l
     return held_out_prompts(cache_dir, tokenizer, cfg.export.verify_num_prompts)
 
 
+@holds_run_dir("export")
 def run(cfg: DictConfig) -> dict:
     """Export (and verify) the head; returns {"export_dir", "verification"}."""
     check_config(cfg)
@@ -46,8 +48,17 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.run_dir).resolve()
     head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
     out_dir = Path(cfg.export.out_dir or run_dir / "export")
-    # Checksums, finite and sane weights: a corrupt head is not exported (export_head reuses what is read).
-    head = record, _ = read_head(head_dir)
+    # Checksums, finite and sane weights: a corrupt head is not exported (export_head reuses what is read);
+    # a head without checksums only with export.allow_unverified_head.
+    atomic.recover_dir(head_dir)  # a train killed while publishing the head left the old one aside
+    head = record, _ = read_head(head_dir, allow_unverified=cfg.export.allow_unverified_head)
+    depths = record.training.get("settings", {}).get("head", {}).get("num_depths")
+    if record.kind == "peagle" and depths and cfg.export.num_speculative_tokens > depths:
+        refuse(
+            "export.num_speculative_tokens",
+            cfg.export.num_speculative_tokens,
+            f"<= {depths}, the parallel depths {head_dir} was trained with (a P-EAGLE head drafts no further)",
+        )
     target_path = target_dir(cfg.target)
     target_config = load_config(cfg.target)
     recorded = record.target.get("hash")
@@ -94,7 +105,7 @@ def run(cfg: DictConfig) -> dict:
         except VerificationError as error:
             verification, failure = error.report, error
         if verification is not None:
-            write_json_atomic(out_dir / "verification.json", verification)
+            atomic.write_json(out_dir / "verification.json", verification)
 
     eval_file = run_dir / "eval" / "results.json"
     eval_results = json.loads(eval_file.read_text()) if eval_file.exists() else None

@@ -136,19 +136,10 @@ def capture_settings(
     transfer: str = "file",
     transfer_overrides: dict | None = None,
     tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
     seed: int | None = None,
     on_cpu: bool | None = None,
 ) -> EngineSettings:
     """The one engine definition (target/vllm.py) for an engine that captures `layers`."""
-    if pipeline_parallel_size != 1:
-        raise ValueError(
-            f"capture.pipeline_parallel_size={pipeline_parallel_size}: vLLM 0.32's hidden-state capture is "
-            "not supported under pipeline parallelism (its connector reads one rank's cache, and no peer "
-            "captures that way); use capture.tensor_parallel_size for a target larger than one device"
-        )
-    if tensor_parallel_size < 1:
-        raise ValueError(f"capture.tensor_parallel_size={tensor_parallel_size}: must be at least 1")
     if on_cpu is None:
         on_cpu = not torch.cuda.is_available()
     args = transfer_args(transfer, storage_dir, transfer_overrides)

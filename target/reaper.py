@@ -1,21 +1,25 @@
 """Nothing a stage starts outlives it: vLLM servers, engine cores and workers are stopped however the stage
-dies - an exception, Ctrl-C, or SIGKILL, which no code in the dying process can react to.
+dies - an exception, Ctrl-C, SIGTERM, SIGHUP (a closed terminal or ssh session), or SIGKILL, which no code in
+the dying process can react to - and however it was launched (in the foreground, in the background of a
+subshell that exits at once, under `setsid`).
 
 `with leash(run_dir, "eval"):` around the part of a stage that starts vLLM:
 
-1. stops what an earlier run of that stage left behind in this run directory (its record names processes
-   whose owner is dead: a reaper that was itself killed, or a machine that lost power mid-run);
-2. starts a reaper, a small process in its own session that watches the stage from outside. While the
-   stage lives, the reaper snapshots the stage's descendants every `interval` seconds into
-   `<run_dir>/logs/<name>.processes.json`; once the stage is gone, it sends SIGTERM to each snapshotted
-   process still alive (matched by pid and start time, so a reused pid is never hit), then SIGKILL after
-   a grace period. vLLM's children are reparented to PID 1 when their parent dies, so they can no longer
-   be found from the tree then - hence the snapshots while it is whole.
-3. On a normal exit the reaper is told to stop and the record is removed.
+1. stops what earlier, dead runs of any stage left behind in this run directory: every
+   `<run_dir>/logs/*.processes.json` whose owner is gone names processes to stop, and the leash says so;
+2. starts a reaper, a small process in its own session that watches the stage from outside, and waits
+   until it watches. While the stage lives, the reaper adds the stage's descendants to the record
+   `<run_dir>/logs/<name>.processes.json` every `interval` seconds (vLLM's children are reparented to PID 1
+   when their parent dies, so they can no longer be found from the tree then - hence the record while it is
+   whole). Every process the stage starts also carries the record's token in its environment, which finds
+   the ones started and orphaned between two snapshots. Once the stage is gone (a zombie counts as gone: a
+   detached stage may never be reaped), the reaper sends SIGTERM to each recorded process still alive
+   (matched by pid and start time, so a reused pid is never hit), then SIGKILL after a grace period;
+3. SIGTERM and SIGHUP in the stage raise KeyboardInterrupt, as Ctrl-C does, so its own clean-up runs;
+4. on any exit of the block, the stage stops what is still alive of its record itself, then releases the
+   reaper. The record is deleted only once every process it names is gone.
 
-Linux only (/proc); elsewhere the leash does nothing but say so.
-
-    python -m target.reaper OWNER_PID OWNER_START RECORD [INTERVAL [DIR...]]   (started by `leash`)
+    python -m target.reaper OWNER_PID OWNER_START RECORD INTERVAL [DIR...]   (started by `leash`)
 """
 
 from __future__ import annotations
@@ -29,165 +33,246 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+
+import psutil
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # SIGTERM first (vLLM shuts its engine down cleanly), SIGKILL after this
+TOKEN_VARIABLE = "EAGLE_PIPELINE_LEASH"  # environment variable every process a stage starts inherits
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None when gone."""
+def start_time(pid: int) -> float | None:
+    """The process's start time (seconds since the epoch, psutil's `create_time`); None when gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
-    return int(fields[19])
 
 
-def parents() -> dict[int, int]:
-    """pid -> parent pid of every process."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            found[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    return found
+def alive(pid: int, start: float) -> bool:
+    """Whether the process `pid` that started at `start` still runs (a zombie has finished running)."""
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() == start and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
-def descendants(root: int) -> list[list[int]]:
+def descendants(root: int) -> list[list]:
     """[pid, start time] of every process below `root`."""
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents().items():
-        children.setdefault(parent, []).append(pid)
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        start = start_time(pid)
-        if start is not None:
-            found.append([pid, start])
-        todo += children.get(pid, [])
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return []
+    found = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            found.append([child.pid, child.create_time()])
     return sorted(found)
 
 
-def alive(pid: int, start: int) -> bool:
-    return start_time(pid) == start
+def carrying(token: str) -> list[list]:
+    """[pid, start time] of every process of this user whose environment holds the leash `token`."""
+    found = []
+    for process in psutil.process_iter(["pid", "create_time"]):
+        with contextlib.suppress(psutil.Error):
+            if process.pid != os.getpid() and process.environ().get(TOKEN_VARIABLE) == token:
+                found.append([process.pid, process.info["create_time"]])
+    return sorted(found)
 
 
-def stop_processes(processes: list[list[int]], grace_s: float = GRACE_S) -> list[int]:
+def stop_processes(processes: list[list], grace_s: float = GRACE_S) -> list[int]:
     """SIGTERM each process still alive, SIGKILL what remains after `grace_s`; returns the pids signalled."""
-    living = [(pid, start) for pid, start in processes if alive(pid, start)]
-    for pid, _ in living:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(pid, start) for pid, start in living):
-        time.sleep(0.1)
-    for pid, start in living:
+    living = []
+    for pid, start in processes:
         if alive(pid, start):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-    return [pid for pid, _ in living]
+            with contextlib.suppress(psutil.Error):
+                living.append(psutil.Process(pid))
+    for process in living:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, remaining = psutil.wait_procs(living, timeout=grace_s)
+    for process in remaining:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(remaining, timeout=grace_s)
+    return [process.pid for process in living]
 
 
-def write_record(record: Path, owner: int, owner_start: int, processes: list[list[int]]) -> None:
-    tmp = record.with_name(f".{record.name}.tmp")
-    tmp.write_text(json.dumps({"owner": [owner, owner_start], "processes": processes}))
-    os.replace(tmp, record)
+def write_record(
+    record: Path,
+    owner: int,
+    owner_start: float,
+    processes: list[list],
+    token: str = "",
+    reaper: int | None = None,
+) -> None:
+    """The record of a leashed run: its owner, its token, the reaper watching it (None until one does) and
+    the processes it started."""
+    from artifacts.atomic import write_json
+
+    values = {"owner": [owner, owner_start], "token": token, "reaper": reaper, "processes": processes}
+    write_json(record, values)
+
+
+def read_record(record: Path) -> dict | None:
+    try:
+        values = json.loads(record.read_text())
+        values["owner"] = list(values["owner"])
+        values.setdefault("token", "")
+        values.setdefault("reaper", None)
+        values["processes"] = [list(p) for p in values["processes"]]
+        return values
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def stop_record(record: Path) -> list[int]:
+    """Stop every process `record` names (and every one carrying its token); delete the record once none
+    of them is left. Returns the pids stopped."""
+    values = read_record(record)
+    if values is None:
+        record.unlink(missing_ok=True)  # unreadable: nothing can be matched safely
+        return []
+    processes = values["processes"] + (carrying(values["token"]) if values["token"] else [])
+    stopped = stop_processes(processes)
+    if not any(alive(pid, start) for pid, start in processes):
+        record.unlink(missing_ok=True)
+    return stopped
 
 
 def stop_leftovers(record: Path) -> list[int]:
-    """Stop the processes an earlier, dead owner recorded in `record`; returns their pids."""
-    if not record.exists():
+    """Stop the processes an earlier, dead owner recorded in `record`; returns their pids. A live owner's
+    record is refused: that run is still going."""
+    values = read_record(record) if record.exists() else None
+    if values is None:
+        record.unlink(missing_ok=True)
         return []
-    try:
-        earlier = json.loads(record.read_text())
-        owner, owner_start = earlier["owner"]
-        processes = earlier["processes"]
-    except (ValueError, KeyError, TypeError):
-        record.unlink(missing_ok=True)  # unreadable: nothing can be matched safely
-        return []
+    owner, owner_start = values["owner"]
     if alive(owner, owner_start):
         raise RuntimeError(
             f"{record}: another run of this stage (pid {owner}) is still running in this run directory; "
             "wait for it or stop it first"
         )
-    stopped = stop_processes(processes)
-    record.unlink(missing_ok=True)
+    return stop_record(record)
+
+
+def stop_dead_runs(logs: Path) -> dict[str, list[int]]:
+    """Stop what every dead run recorded under `logs` left running: record name -> pids stopped."""
+    stopped = {}
+    for record in sorted(logs.glob("*.processes.json")):
+        values = read_record(record)
+        if values is not None and alive(*values["owner"]):
+            continue  # a live run (another rank of this stage, say) owns it
+        pids = stop_record(record)
+        if pids:
+            stopped[record.name.removesuffix(".processes.json")] = pids
     return stopped
 
 
-def watch(owner: int, owner_start: int, record: Path, interval: float, remove: list[Path] = ()) -> None:
-    """The reaper's loop: snapshot while the owner lives, then stop what is left and delete `remove`.
-    SIGUSR1 (the owner's normal exit) ends it without stopping or deleting anything."""
+def watch(owner: int, owner_start: float, record: Path, interval: float, remove: list[Path] = ()) -> None:
+    """The reaper's loop: record while the owner lives, then stop what is left and delete `remove`.
+    SIGUSR1 (the owner's own exit, after it stopped its processes) ends it without stopping anything."""
     released = []
     signal.signal(signal.SIGUSR1, lambda *_: released.append(True))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal is the owner's to handle
-    snapshot: list[list[int]] = []
+    for ignored in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hang-up is the owner's to handle
+        signal.signal(ignored, signal.SIG_IGN)
+    token = (read_record(record) or {"token": ""})["token"]
+    recorded: list[list] = []
+    write_record(record, owner, owner_start, recorded, token, reaper=os.getpid())  # the owner waits for this
     while not released and alive(owner, owner_start):
-        current = descendants(owner)
-        if current:
-            # Keep processes seen earlier that are still alive: a child may already be reparented.
-            merged = {tuple(p) for p in current} | {tuple(p) for p in snapshot if alive(*p)}
-            current = sorted(list(p) for p in merged if p[0] != os.getpid())
-        if current != snapshot:
-            snapshot = current
-            write_record(record, owner, owner_start, snapshot)
+        # Keep every process seen: one that has left the tree (reparented) may still be running.
+        current = {tuple(p) for p in descendants(owner) + recorded}
+        current = sorted(list(p) for p in current if p[0] != os.getpid())
+        if current != recorded:
+            recorded = current
+            write_record(record, owner, owner_start, recorded, token, reaper=os.getpid())
         time.sleep(interval)
     if released:
         return
-    stop_processes(snapshot)
+    while stop_record(record) or record.exists():  # until nothing it names is left
+        time.sleep(interval)
     for path in remove:
         shutil.rmtree(path, ignore_errors=True)
-    record.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def leash(run_dir: Path, name: str, interval: float = 0.5, remove: list[Path] = ()):
+def stop_signals_interrupt():
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread while inside, as Ctrl-C does."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    previous = {}
+    with contextlib.suppress(ValueError):  # not the main thread: signals cannot be handled here
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, interrupt)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def leash(run_dir: Path, name: str, interval: float = 0.25, remove: list[Path] = ()):
     """While inside, every process this one starts is stopped if this process dies (see the module doc),
     and the directories `remove` (scratch files of those processes, e.g. captured hidden states) deleted."""
-    if not Path("/proc/self/stat").exists():
-        log.warning("no /proc: processes started by %s are not watched (Linux only)", name)
-        yield
-        return
-    record = Path(run_dir) / "logs" / f"{name}.processes.json"
-    record.parent.mkdir(parents=True, exist_ok=True)
-    stopped = stop_leftovers(record)
-    if stopped:
-        log.warning(
-            "stopped %d processes an earlier, killed %s run left running: pids %s",
-            len(stopped),
-            name,
-            stopped,
-        )
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    record = logs / f"{name}.processes.json"
+    stop_leftovers(record)  # refuses a live run of this stage; stop_dead_runs below stops a dead one's
+    for earlier, pids in stop_dead_runs(logs).items():
+        log.warning("stopped %d processes a dead %s run left running: pids %s", len(pids), earlier, pids)
     owner, owner_start = os.getpid(), start_time(os.getpid())
-    write_record(record, owner, owner_start, [])
+    before = {tuple(p) for p in descendants(owner)}  # started outside the leash: not its to stop
+    token = uuid.uuid4().hex
+    write_record(record, owner, owner_start, [], token)
     reaper = subprocess.Popen(
-        [sys.executable, "-m", "target.reaper", str(owner), str(owner_start), str(record), str(interval)]
+        [sys.executable, "-m", "target.reaper", str(owner), repr(owner_start), str(record), str(interval)]
         + [str(Path(path).resolve()) for path in remove],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,  # not in the stage's process group: a group kill must not take it along
+        start_new_session=True,  # not in the stage's session: a group kill or a hang-up must not take it along
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
+    while reaper.poll() is None and not watched(record):  # nothing may start before the reaper watches
+        time.sleep(0.02)
+    previous_token = os.environ.get(TOKEN_VARIABLE)
+    os.environ[TOKEN_VARIABLE] = token
     try:
-        yield
+        with stop_signals_interrupt():
+            yield
     finally:
+        if previous_token is None:
+            os.environ.pop(TOKEN_VARIABLE, None)
+        else:
+            os.environ[TOKEN_VARIABLE] = previous_token
+        values = read_record(record) or {"processes": []}
+        started = values["processes"] + descendants(owner) + carrying(token)
+        started = [p for p in started if tuple(p) not in before and p[0] != reaper.pid]
+        stop_processes(started)
         reaper.send_signal(signal.SIGUSR1)
         reaper.wait()
-        record.unlink(missing_ok=True)
+        if not any(alive(*p) for p in started):
+            record.unlink(missing_ok=True)
+
+
+def watched(record: Path) -> bool:
+    """Whether the reaper has started watching (it marks the record when it does)."""
+    values = read_record(record)
+    return values is not None and values["reaper"] is not None
 
 
 if __name__ == "__main__":
     watch(
         int(sys.argv[1]),
-        int(sys.argv[2]),
+        float(sys.argv[2]),
         Path(sys.argv[3]),
-        float(sys.argv[4]) if len(sys.argv) > 4 else 0.5,
+        float(sys.argv[4]),
         [Path(path) for path in sys.argv[5:]],
     )

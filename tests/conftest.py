@@ -1,34 +1,13 @@
-"""Shared fixtures: the smoke cache is built once per test session (CPU, a few seconds)."""
+"""Shared fixtures: the smoke cache is built once per test session (CPU, a few seconds). Helpers that tests
+import live in tests/helpers.py."""
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from artifacts.config import compose
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def smoke_config(run_dir, *overrides, experiment="smoke"):
-    # One CPU thread: bitwise-equal results between in-process runs and torchrun workers (which get 1).
-    return compose(
-        "config", [f"experiment={experiment}", f"run_dir={run_dir}", "cache.num_threads=1", *overrides]
-    )
-
-
-def rewrite_head_weights(head_dir, weights) -> None:
-    """Replace a head's weights and record their checksum, as train would have (a deliberate edit)."""
-    from safetensors.torch import save_file
-
-    from artifacts.cache import file_sha256
-
-    save_file(weights, str(head_dir / "model.safetensors"))
-    config = json.loads((head_dir / "draft_config.json").read_text())
-    config["files"]["model.safetensors"] = file_sha256(head_dir / "model.safetensors")
-    (head_dir / "draft_config.json").write_text(json.dumps(config))
+from tests.helpers import REPO, smoke_config
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from artifacts.config import check_config, compose, machine_dtype, machine_precision
 from artifacts.manifest import read_manifest
 from target.model import default_aux_layer_ids
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_default_data_prep_config_is_smollm2_on_sharegpt():
@@ -192,6 +192,18 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
             "eval.workloads[0].num_prompts=0: must be > 0",
         ),
         ("eval.heads=[{name: h, num_speculative_tokens: []}]", "eval.heads[0].num_speculative_tokens=[]"),
+        # Each value accepted silently or refused late before (issue 25, docs/hardening.md):
+        ("export.num_speculative_tokens=-2", "export.num_speculative_tokens=-2: must be > 0; change"),
+        ("export.num_speculative_tokens=0", "export.num_speculative_tokens=0: must be > 0"),
+        ("regen.max_new_tokens=0", "regen.max_new_tokens=0: must be > 0; change regen.max_new_tokens"),
+        ("train.resume=maybe", "train.resume=maybe: must be never, always (true) or auto"),
+        ("head.kind=medusa", "head.kind=medusa: must be one of eagle3, peagle, eagle1"),
+        ("capture.pipeline_parallel_size=2", "capture.pipeline_parallel_size=2: must be 1"),
+        ("eval.heads=[{name: a}, {name: a, method: ngram}]", "eval.heads[].name=['a', 'a']: must be unique"),
+        (
+            "eval.workloads=[{name: w, source: chat}, {name: w, source: code}]",
+            "eval.workloads[].name=['w', 'w']",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_any_stage_works_naming_the_key(tmp_path, override, message):
@@ -215,3 +227,38 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
         ):
             resolve_aux_layer_ids([], 30, kind)
     assert resolve_aux_layer_ids([], 30, "eagle1") == []  # EAGLE-1 reads only the final state
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # A P-EAGLE head trained with one parallel depth, exported and served with k=3.
+        (
+            ["head.kind=peagle", "head.num_depths=1"],
+            "export.num_speculative_tokens=3: must be <= head.num_depths=1",
+        ),
+        (
+            ["head.kind=peagle", "export.num_speculative_tokens=2", "eval.heads=[{name: h}]"],
+            "eval.heads[0].num_speculative_tokens=[1, 2, 3, 4, 5]: must be <= head.num_depths=3",
+        ),
+        (
+            ["head.kind=eagle1", "head.fc_norm=true"],
+            "head.kind=eagle1: must be eagle3 or peagle for head.fc_norm",
+        ),
+        (
+            ["eval.heads=[{name: n, method: ngram, prompt_lookup_min: 5}]"],
+            "eval.heads[0].prompt_lookup_min=5",
+        ),
+    ],
+)
+def test_settings_wrong_together_are_refused_when_composed(overrides, message):
+    cfg = compose("config", ["experiment=smoke", "run_dir=/x", *overrides])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_config(cfg)
+
+
+def test_the_schemas_head_kinds_are_the_heads_package_kinds():
+    from artifacts.config import HEAD_KINDS
+    from heads.kinds import KINDS
+
+    assert set(HEAD_KINDS) == set(KINDS)

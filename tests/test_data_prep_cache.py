@@ -1,12 +1,12 @@
 """The hidden-state cache: contents equal an HF forward, and the same files from 1 or 2 processes or after a kill."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +17,7 @@ from artifacts.manifest import read_manifest
 from artifacts.vocab import load_vocab_map
 from data_prep.main import run
 from data_prep.render import render_conversation
-from tests.conftest import REPO, smoke_config
-
-AUX_IDS = [1, 3, 4]  # conf/experiment/smoke.yaml
-
-
-def shard_hashes(cache_dir: Path) -> dict[str, str]:
-    manifest = read_manifest(cache_dir)
-    return {
-        f"{split}/{s['file']}": s["sha256"] for split, v in manifest["splits"].items() for s in v["shards"]
-    }
+from tests.helpers import AUX_IDS, REPO, shard_hashes, smoke_config
 
 
 def test_smoke_manifest_records_what_the_next_stages_check(smoke_run):
@@ -239,3 +230,23 @@ def test_tokenizer_without_chat_template_is_a_clear_error(smoke_run, tmp_path):
     (run_dir / "smoke_target" / "chat_template.jinja").unlink()
     with pytest.raises(ValueError, match=r"no chat template.*target\.chat_template="):
         run(smoke_config(run_dir))
+
+
+def test_a_full_disk_names_the_shard_and_says_how_to_resume(tmp_path, monkeypatch):
+    import errno
+
+    from artifacts import atomic
+    from artifacts.cache import write_shard
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic, "write_bytes", full)
+    path = tmp_path / "train" / "shard-00000.safetensors"
+    path.parent.mkdir()
+    sample = {"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
+    with pytest.raises(
+        OSError, match=re.escape(str(path)) + ": the disk is full.*rerun the same command"
+    ) as caught:
+        write_shard(path, [sample])
+    assert caught.value.errno == errno.ENOSPC

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from artifacts.cache import CacheSplit
 from artifacts.manifest import read_manifest
 from data_prep.main import run
-from tests.conftest import REPO, smoke_config
+from tests.helpers import REPO, smoke_config
 
 pytest.importorskip("vllm")
 

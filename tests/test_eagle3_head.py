@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig
 
 from heads.eagle3 import Eagle3Config, Eagle3Draft
-from heads.layers import exported_state_dict
+from heads.layers import apply_rope, exported_state_dict
+from tests.helpers import random_draft, tiny_head_config
 
 torch.set_num_threads(1)
 
@@ -29,35 +30,6 @@ VLLM_EAGLE3_WEIGHTS = {
     "norm.weight",
     "lm_head.weight",
 }
-
-
-def tiny_config(**overrides) -> Eagle3Config:
-    values = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=40,
-        draft_vocab_size=24,
-        aux_layer_ids=[1, 2, 3],
-        rope_theta=1000.0,
-        max_position_embeddings=128,
-    )
-    return Eagle3Config(**{**values, **overrides})
-
-
-def random_draft(config: Eagle3Config, seed: int = 0) -> Eagle3Draft:
-    """A head with every weight random, norm weights included (ones would hide a missing norm)."""
-    torch.manual_seed(seed)
-    model = Eagle3Draft(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:  # the norm weights (input_norm and fc_norm.i included)
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-            else:
-                param.normal_(0, 1 / math.sqrt(param.shape[-1]))
-    return model
 
 
 # ---- independent reference: explicit matmuls, one sample, fp32 ----
@@ -121,7 +93,7 @@ def ref_finish(sd, cfg, attn_TND, residual_TH):
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 def test_decoder_layer_matches_explicit_reference(norm_before_residual, num_kv_heads):
-    cfg = tiny_config(norm_before_residual=norm_before_residual, num_key_value_heads=num_kv_heads)
+    cfg = tiny_head_config(norm_before_residual=norm_before_residual, num_key_value_heads=num_kv_heads)
     model = random_draft(cfg)
     sd = model.state_dict()
     b, t = 2, 12
@@ -147,7 +119,7 @@ def test_decoder_layer_matches_explicit_reference(norm_before_residual, num_kv_h
 def test_fc_norms_match_explicit_reference(norm_before_fc, fc_norm):
     """vLLM's combine_hidden_states: input_norm over the A*H concatenation, then one norm per aux state,
     then fc - for the aux states and for P-EAGLE's mask_hidden alike; weights under vLLM's names."""
-    cfg = tiny_config(norm_before_fc=norm_before_fc, fc_norm=fc_norm, mask_token_id=3)
+    cfg = tiny_head_config(norm_before_fc=norm_before_fc, fc_norm=fc_norm, mask_token_id=3)
     model = random_draft(cfg)
     sd = model.state_dict()
     expected_names = {"input_norm.weight"} if norm_before_fc else set()
@@ -179,7 +151,7 @@ def test_fc_norms_match_explicit_reference(norm_before_fc, fc_norm):
 def test_norm_output_carries_the_post_norm_state():
     """vLLM's `aux_output`: a chain's next step reads norm(out) with norm_output, the pre-norm out without."""
     out_BTH = torch.randn(2, 3, 64) * 5
-    plain, normed = random_draft(tiny_config()), random_draft(tiny_config(norm_output=True))
+    plain, normed = random_draft(tiny_head_config()), random_draft(tiny_head_config(norm_output=True))
     with torch.no_grad():
         assert torch.equal(plain.carry(out_BTH), out_BTH)
         w = normed.state_dict()["norm.weight"]
@@ -187,17 +159,56 @@ def test_norm_output_carries_the_post_norm_state():
 
 
 def test_embedding_goes_first_in_the_attention_input():
-    """Swapping embedding and hidden changes the output: the order is a real, tested convention."""
-    cfg = tiny_config()
+    """Layer 0's queries are q_proj(cat(input_layernorm(embedding), hidden_norm(hidden))), rotated at their
+    positions: the values of the explicit reference, which the swapped order does not give."""
+    cfg = tiny_head_config()
     model = random_draft(cfg)
+    sd = model.state_dict()
     ids_BT = torch.randint(0, cfg.vocab_size, (1, 6))
     hidden_BTH = torch.randn(1, 6, cfg.hidden_size)
-    cos, sin = model.rope(torch.arange(6)[None])
+    positions_BT = torch.arange(6)[None] + 9
+    cos, sin = model.rope(positions_BT)
     layer = model.layer
-    q_ok = layer.project(model.embed(ids_BT), hidden_BTH, cos, sin)[0]
-    x_swapped = torch.cat([layer.hidden_norm(hidden_BTH), layer.input_layernorm(model.embed(ids_BT))], dim=-1)
-    q_swapped = layer.self_attn.project(x_swapped, cos, sin)[0]
-    assert not torch.allclose(q_ok, q_swapped)
+    with torch.no_grad():
+        q_ok = layer.project(model.embed(ids_BT), hidden_BTH, cos, sin)[0]
+        x_swapped = torch.cat([layer.hidden_norm(hidden_BTH), layer.input_layernorm(model.embed(ids_BT))], -1)
+        q_swapped = layer.self_attn.project(x_swapped, cos, sin)[0]
+    embeds_TH = sd["embed_tokens.weight"][ids_BT[0]]
+    reference_NTD = torch.stack(ref_qkv(sd, cfg, embeds_TH, hidden_BTH[0], positions_BT[0])[0])
+    torch.testing.assert_close(q_ok[0], reference_NTD, rtol=1e-4, atol=1e-4)
+    assert (q_swapped[0] - reference_NTD).abs().max() > 0.1
+
+
+def test_rope_rotates_each_pair_by_position_times_its_frequency():
+    """head_dim 4, theta 100: frequencies 100^0 = 1 and 100^(-2/4) = 0.1, rotating the pairs of dims (0, 2)
+    and (1, 3) (rotate_half's layout: HF's and vLLM's neox style). The values are written out here."""
+    cfg = tiny_head_config(num_attention_heads=1, num_key_value_heads=1, head_dim=4, rope_theta=100.0)
+    model = Eagle3Draft(cfg)
+    assert model.inv_freq.tolist() == pytest.approx([1.0, 0.1])
+    positions = [0, 1, 5, 100]
+    cos, sin = model.rope(torch.tensor([positions]))
+    x_BNTD = torch.tensor([1.0, 2.0, 3.0, 4.0]).expand(1, 1, len(positions), 4)
+    rotated_TD = apply_rope(x_BNTD, cos, sin)[0, 0]
+    assert rotated_TD[0].tolist() == [1.0, 2.0, 3.0, 4.0]  # position 0: no rotation
+    for row, p in zip(rotated_TD, positions):
+        a, b = p * 1.0, p * 0.1  # the angle of each pair
+        expected = [
+            1 * math.cos(a) - 3 * math.sin(a),
+            2 * math.cos(b) - 4 * math.sin(b),
+            3 * math.cos(a) + 1 * math.sin(a),
+            4 * math.cos(b) + 2 * math.sin(b),
+        ]
+        assert row.tolist() == pytest.approx(expected, abs=1e-5), p
+    # What attention relies on: a query-key score depends on the distance between their positions only.
+    q_BNTD, k_BNTD = torch.randn(2, 1, 1, 1, 4)
+
+    def score(q_position, k_position):
+        q_cos, q_sin = model.rope(torch.tensor([[q_position]]))
+        k_cos, k_sin = model.rope(torch.tensor([[k_position]]))
+        return float((apply_rope(q_BNTD, q_cos, q_sin) * apply_rope(k_BNTD, k_cos, k_sin)).sum())
+
+    assert score(7, 3) == pytest.approx(score(57, 53), abs=1e-5)
+    assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -233,15 +244,13 @@ def test_rope_matches_hf_llama(rope):
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(q_BNTD, positions_BT)
     torch.testing.assert_close(cos, hf_cos, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin, hf_sin, rtol=1e-5, atol=1e-5)
-    from heads.layers import apply_rope
-
     torch.testing.assert_close(
         apply_rope(q_BNTD, cos, sin), apply_rotary_pos_emb(q_BNTD, q_BNTD, hf_cos, hf_sin)[0]
     )
 
 
 def test_weight_names_are_what_vllm_loads():
-    cfg = tiny_config()
+    cfg = tiny_head_config()
     model = Eagle3Draft(cfg)
     assert set(model.state_dict()) == VLLM_EAGLE3_WEIGHTS | {"embed_tokens.weight"}
     exported = exported_state_dict(model)
@@ -262,7 +271,7 @@ def test_weight_names_are_what_vllm_loads():
 
 
 def test_target_embedding_is_loaded_and_shape_checked():
-    model = Eagle3Draft(tiny_config())
+    model = Eagle3Draft(tiny_head_config())
     weight = torch.randn(40, 64)
     model.load_target_embedding(weight)
     assert torch.equal(model.embed_tokens.weight, weight)
@@ -302,13 +311,13 @@ def test_bad_configs_fail_clearly():
     with pytest.raises(ValueError, match="unknown"):
         Eagle3Config.from_target_config(hf, [1], 24, hidden_sise=64)
     with pytest.raises(ValueError, match="ascending"):
-        tiny_config(aux_layer_ids=[3, 1])
+        tiny_head_config(aux_layer_ids=[3, 1])
     with pytest.raises(ValueError, match="multiple"):
-        tiny_config(num_key_value_heads=3)
+        tiny_head_config(num_key_value_heads=3)
     with pytest.raises(NotImplementedError, match="yarn"):
-        tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+        tiny_head_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="unknown"):
-        Eagle3Config.from_dict({**tiny_config().to_dict(), "bogus": 1})
+        Eagle3Config.from_dict({**tiny_head_config().to_dict(), "bogus": 1})
 
 
 def test_qwen3_target_config_composes_and_trains():

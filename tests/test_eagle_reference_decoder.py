@@ -89,6 +89,28 @@ def test_counts_of_perfect_and_useless_drafts(target_and_head, monkeypatch):
     assert counts == AcceptanceCounts(9, 27, 0, [0, 0, 0])  # one token (the bonus) per verify step
 
 
+def test_partial_acceptance_counts_each_position_exactly(target_and_head, monkeypatch):
+    """Drafts equal to the target's greedy tokens at their first j of k=3 positions, j chosen per verify
+    step: j accepted, j + 1 tokens out (the bonus), +1 at each position i < j - and a draft after the first
+    wrong one counts for nothing, even where it is the greedy continuation again."""
+    target, head = target_and_head
+    truth = PROMPT + greedy(target, PROMPT, 20)
+    schedule = iter([2, 0, 1, 3, 1])  # drafts matching per verify step
+
+    def first_j_right(state, out, k):
+        right, j = truth[state.length + 1 : state.length + 1 + k], next(schedule)
+        return right if j == k else right[:j] + [(right[j] + 1) % 1024] + right[j + 1 :]
+
+    monkeypatch.setattr(DraftState, "propose", first_j_right)
+    output, counts = speculative_generate(target, head, PROMPT, 3, max_new_tokens=12)
+    # 1 token from the prefill, then 3, 1, 2, 4, 2 per verify step: 13, cut to 12; the last step's drafts
+    # are counted all the same (vLLM counts before truncating).
+    assert output == truth[len(PROMPT) : len(PROMPT) + 12]
+    assert next(schedule, None) is None  # five verify steps, no more
+    assert counts == AcceptanceCounts(5, 15, 7, [4, 2, 1])
+    assert counts.per_position == [0.8, 0.4, 0.2] and counts.conditional_per_position == [0.8, 0.5, 0.5]
+
+
 def test_a_stop_token_ends_the_output(target_and_head):
     target, head = target_and_head
     full = greedy(target, PROMPT, 20)

@@ -17,7 +17,7 @@ from eval.economics import tokens_per_verify
 from eval.main import run as evaluate
 from eval.server import ServerError, VllmServer
 from export.main import run as export
-from tests.conftest import REPO, smoke_config
+from tests.helpers import REPO, smoke_config
 
 pytest.importorskip("vllm")
 

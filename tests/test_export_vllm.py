@@ -18,7 +18,7 @@ from export.verify import VerificationError, verify_export
 from heads.head_file import read_record
 from heads.reference_decoder import load_head
 from target.model import load_tokenizer
-from tests.conftest import rewrite_head_weights, smoke_config
+from tests.helpers import rewrite_head_weights, smoke_config
 from train.losses import parallel_forward
 from train.main import run as train
 

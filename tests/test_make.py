@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 @pytest.mark.slow

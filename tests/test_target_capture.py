@@ -20,8 +20,7 @@ from target.capture import CaptureLayers, capture_settings, check_and_split
 from target.model import capture_aux_states, load_final_norm, load_model, target_hidden_states
 from target.reaper import alive, descendants
 from target.vllm import llm_kwargs
-from tests.conftest import REPO, smoke_config
-from tests.test_data_prep_cache import AUX_IDS, shard_hashes
+from tests.helpers import AUX_IDS, REPO, shard_hashes, smoke_config
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +98,6 @@ def test_capture_engine_settings(smoke_layers, tmp_path):
     assert "tensor_parallel_size" not in cpu and cpu["enforce_eager"] is True
     with pytest.raises(ValueError, match="capture.vllm_kwargs.enable_prefix_caching"):
         capture_settings("t", layers, tmp_path, {"enable_prefix_caching": True}, "capture.vllm_kwargs")
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2.*tensor_parallel_size"):
-        capture_settings("t", layers, tmp_path, {}, "x", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="capture.transfer='nfs'.*file"):
         capture_settings("t", layers, tmp_path, {}, "x", transfer="nfs")
     with pytest.raises(ValueError, match="capture.transfer='fp8'.*CPU build"):

@@ -27,7 +27,7 @@ from target.vllm import (
     served_settings,
     vllm_entry_point,
 )
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 # One set of user arguments, as the offline engines' configs spell them and as `eval.server_args` does.
 KWARGS = {"max_model_len": 512, "enforce_eager": True, "gpu_memory_utilization": 0.3}

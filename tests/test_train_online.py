@@ -14,8 +14,7 @@ from safetensors import safe_open
 from artifacts.cache import CacheSplit
 from data_prep.main import run as data_prep
 from target.model import load_model, weights_bytes
-from tests.conftest import REPO, smoke_config
-from tests.test_train_loop import FAST, PEAGLE, assert_same_head, step_losses, train_config
+from tests.helpers import FAST, PEAGLE, REPO, assert_same_head, smoke_config, step_losses, train_config
 from train.data import online_states
 from train.main import run as train
 

@@ -6,15 +6,14 @@ import math
 import pytest
 import torch
 
-from tests.test_eagle3_head import random_draft
-from tests.test_eagle3_head import tiny_config as head_tiny_config
+from tests.helpers import random_draft, tiny_head_config
 from train.losses import cod_anchors, parallel_forward, parallel_loss, ttt_loss
 
 torch.set_num_threads(1)
 
 
 def tiny_config(**overrides):
-    return head_tiny_config(**{"aux_layer_ids": [1, 2], "mask_token_id": 3, **overrides})
+    return tiny_head_config(**{"aux_layer_ids": [1, 2], "mask_token_id": 3, **overrides})
 
 
 def dense_parallel_reference(model, ids_BT, aux_BTAH, num_depths):

@@ -10,8 +10,7 @@ import torch
 from heads.acceptance import chain_counts, conditional_accuracies, expected_acceptance_length
 from heads.attention import attention, causal_attention
 from heads.eagle3 import Eagle3Config, Eagle3Draft
-from tests.test_eagle3_head import random_draft
-from tests.test_eagle3_head import tiny_config as head_tiny_config
+from tests.helpers import random_draft, tiny_head_config
 from train.losses import (
     step_loss,
     step_valid_mask,
@@ -24,7 +23,7 @@ torch.set_num_threads(1)
 
 
 def tiny_config(**overrides) -> Eagle3Config:
-    return head_tiny_config(**{"aux_layer_ids": [1, 2], **overrides})
+    return tiny_head_config(**{"aux_layer_ids": [1, 2], **overrides})
 
 
 def ttt_dense_mask(t: int, step: int) -> torch.Tensor:

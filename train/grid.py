@@ -30,8 +30,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from artifacts import atomic
 from artifacts.config import check_config, register_configs
-from artifacts.manifest import write_json_atomic
+from artifacts.run_lock import holds_run_dir
 from heads.head_file import read_record
 from train.curves import plot, read_curve
 
@@ -74,7 +75,7 @@ def prepare_variant(run_dir: Path, variant_dir: Path, overrides: list[str]) -> b
             f"{variant_dir} was trained with other overrides ({json.loads(stamp.read_text())}, now "
             f"{overrides}): rename the variant or delete that directory"
         )
-    write_json_atomic(stamp, overrides)
+    atomic.write_json(stamp, overrides)
     return (variant_dir / "draft_head" / "draft_config.json").exists()
 
 
@@ -89,7 +90,7 @@ def train_variant(variant_dir: Path, overrides: list[str]) -> None:
     finally:
         result = json.loads(result_file.read_text()) if result_file.exists() else {}
         result["train_seconds"] = result.get("train_seconds", 0.0) + time.perf_counter() - start
-        write_json_atomic(result_file, result)
+        atomic.write_json(result_file, result)
     if done.returncode:
         raise RuntimeError(
             f"training variant {variant_dir.name} failed (exit {done.returncode}); its log: "
@@ -157,6 +158,7 @@ def results_table(rows: list[dict], k: int) -> str:
     return "\n".join(lines)
 
 
+@holds_run_dir("grid")
 def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
     """Train, measure and tabulate every variant; returns the rows. `overrides`: the command line `cfg` was
     composed from (default: Hydra's, when run as a command), passed on to every variant's train stage."""
@@ -182,7 +184,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
         if cfg.grid.acceptance_prompts and "acceptance" not in result:
             log.info("variant %s: reference acceptance on held-out prompts", name)
             result["acceptance"] = held_out_acceptance(cfg, variant_dir / "draft_head")
-            write_json_atomic(result_file, result)
+            atomic.write_json(result_file, result)
         rows.append(
             result_row(
                 name, list(cfg.grid.variants[name]), variant_dir, cfg.grid.num_speculative_tokens, result
@@ -203,8 +205,8 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
         f"metrics from train's final eval; reference = the reference decoder's mean acceptance length at "
         f"k={k} on {cfg.grid.acceptance_prompts} held-out prompts x {cfg.grid.acceptance_max_new_tokens} tokens.\n\n"
     )
-    (grid_dir / "results.md").write_text(header + table + "\n")
-    write_json_atomic(grid_dir / "results.json", {"grid": OmegaConf.to_container(cfg.grid), "rows": rows})
+    atomic.write_text(grid_dir / "results.md", header + table + "\n")
+    atomic.write_json(grid_dir / "results.json", {"grid": OmegaConf.to_container(cfg.grid), "rows": rows})
     curves = {name: read_curve(grid_dir / name) for name in cfg.grid.variants}
     plot(curves, f"eval/accept_len_k{k}", grid_dir / f"acceptance_k{k}.png")
     plot(curves, "eval/acc_0", grid_dir / "acc_0.png")

@@ -30,9 +30,11 @@ from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from artifacts import atomic
 from artifacts.cache import CacheSplit
 from artifacts.config import check_config, register_configs
 from artifacts.manifest import read_manifest
+from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import load_vocab_map
 from heads.head_file import write_head
 from heads.layers import EXCLUDED_FROM_EXPORT
@@ -91,6 +93,7 @@ class Start:
     num_steps: int  # optimizer steps of the whole run
 
 
+@holds_run_dir("train")
 def run(cfg: DictConfig) -> dict:
     """Train the head; returns the final held-out metrics."""
     check_config(cfg)
@@ -137,9 +140,9 @@ def run(cfg: DictConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler)
 
     settings = trajectory_settings(cfg, world, cache_manifest.get("dataset_fingerprint"))
-    step, start_epoch = resume_point(cfg, accelerator, run_dir, settings)
+    step, start_epoch = resume_point(cfg, accelerator, run_dir, settings, optimizer, scheduler)
     if accelerator.is_main_process:
-        (run_dir / "train.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        atomic.write_text(run_dir / "train.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     start_trackers(accelerator, cfg, cache_manifest, run_dir)
     log.info(
         "training %d optimizer steps (%d per epoch, %d samples per step, %d processes), %s head, K=%d depths",
@@ -228,6 +231,7 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
             sums = accelerator.reduce(sums, "sum")
             total_loss = weighted_loss(sums, cfg.head.gamma)
             check_finite(total_loss, grad_norm, step + 1, ckpt_dir)
+            step_lr = setup.scheduler.get_last_lr()[0]  # the rate this optimizer step uses
             setup.optimizer.step()
             setup.scheduler.step()
             setup.optimizer.zero_grad(set_to_none=True)
@@ -236,7 +240,7 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
             if accelerator.is_main_process:  # every step's loss: what resume and golden-loss tests compare
                 append_record(
                     setup.run_dir / "train_steps.jsonl",
-                    {"step": step, "loss": total_loss, "grad_norm": float(grad_norm), "tokens": step_tokens,
+                    {"step": step, "loss": total_loss, "lr": step_lr, "grad_norm": float(grad_norm), "tokens": step_tokens,
                      "seconds": time.perf_counter() - step_start},  # data, online target included: benchmarks
                 )  # fmt: skip
 

@@ -76,23 +76,7 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
     """A freshly initialised head of `head.kind`, sized from the target and the cache."""
     torch.manual_seed(cfg.seed)
     head_kind(cfg.head.kind)  # an unknown kind is refused naming head.kind
-    if cfg.head.num_layers != 1 and cfg.head.kind != "peagle":
-        raise ValueError(
-            f"head.num_layers={cfg.head.num_layers}: only P-EAGLE heads (head.kind=peagle) stack several "
-            f"decoder layers here; {cfg.head.kind} heads have one"
-        )
-    if cfg.head.kind == "eagle1":
-        eagle3_only = {
-            **{flag: getattr(cfg.head, flag) for flag in NORM_FLAGS},
-            "lm_head_init": cfg.head.lm_head_init != "random",
-            "freeze_lm_head": cfg.head.freeze_lm_head,
-            "aux_noise": bool(cfg.head.aux_noise),
-        }
-        if any(eagle3_only.values()):
-            raise ValueError(
-                f"head.kind=eagle1: {', '.join(f'head.{k}' for k, v in eagle3_only.items() if v)} belong to "
-                "EAGLE-3 / P-EAGLE heads (an EAGLE-1 head has no aux states, fc norms or lm_head of its own)"
-            )
+    if cfg.head.kind == "eagle1":  # its settings are checked with the config (artifacts/config.py)
         return Eagle1Draft(Eagle1Config.from_target_config(target_config))
     parallel = {}
     if cfg.head.kind == "peagle":
@@ -117,8 +101,6 @@ def init_lm_head(cfg, draft, target_lm_head_VH: torch.Tensor, draft_to_target: t
     `target`: the lm_head starts as the target's rows of the draft vocabulary and the final norm as the
     target's, so the head starts decoding as the target does (speculators' recipe; it freezes the rows).
     """
-    if cfg.head.lm_head_init not in ("random", "target"):
-        raise ValueError(f"head.lm_head_init={cfg.head.lm_head_init!r}: choose random or target")
     if cfg.head.lm_head_init == "target":
         draft.lm_head.weight.copy_(target_lm_head_VH[draft_to_target].float())
         draft.norm.weight.copy_(load_final_norm(cfg.target))

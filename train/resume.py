@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 from pathlib import Path
 
-from train.checkpoint import changed_settings, checkpoint_dirs, load_checkpoint
+from artifacts import atomic
+from train.checkpoint import changed_settings, checkpoint_dirs, load_checkpoint, read_trainer_state
+
+# Settings that decide the head's tensors: a checkpoint's weights fit only a head built with its values.
+HEAD_SHAPE_KEYS = ("head.kind", "head.num_layers")
 
 log = logging.getLogger("train")  # the loop's own logger: its lines read `train: ...`
 
@@ -36,12 +39,10 @@ def drop_records_after(step: int, *paths: Path) -> None:
         if path.exists():
             kept = [line for line in path.read_text().splitlines(keepends=True)
                     if line.strip() and json.loads(line)["step"] <= step]  # fmt: skip
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
+            atomic.write_text(path, "".join(kept))
 
 
-def resume_point(cfg, accelerator, run_dir: Path, settings: dict) -> tuple[int, int]:
+def resume_point(cfg, accelerator, run_dir: Path, settings: dict, optimizer, scheduler) -> tuple[int, int]:
     """(step, epoch) the run starts at: (0, 0), or under train.resume the latest checkpoint's in
     <run_dir>/ckpt, restored into the prepared model, optimizer and scheduler (on every rank).
 
@@ -59,20 +60,46 @@ def resume_point(cfg, accelerator, run_dir: Path, settings: dict) -> tuple[int, 
     if not checkpoint_dirs(ckpt_dir) or resume == "never":
         return 0, 0
     latest = checkpoint_dirs(ckpt_dir)[-1]
-    state = load_checkpoint(accelerator, latest)
-    changed = changed_settings(state.get("settings"), settings)
+    recorded = read_trainer_state(latest).get("settings")
+    changed = changed_settings(recorded, settings)
+    shaped = [line for line in changed if line.split(":")[0] in HEAD_SHAPE_KEYS]
+    if shaped:  # before loading: the weights would not fit, and the error would name a tensor
+        raise ValueError(
+            f"{latest} holds another head than this run builds:\n  " + "\n  ".join(shaped)
+            + "\nResume with the checkpoint's value of those settings (train.resume_changed cannot change "
+            "them), or train this head in another run_dir (train.init_from can warm-start it from this one)"
+        )  # fmt: skip
     if changed and not cfg.train.resume_changed:
         raise ValueError(
             f"{latest} was written with other settings than this run's:\n  " + "\n  ".join(changed)
             + "\nResume with the checkpoint's values, or add train.resume_changed=true to go on with these "
             "(the schedule and data order the checkpoint holds go on as they were)"
         )  # fmt: skip
+    state = load_checkpoint(accelerator, latest)
     if changed:
         log.warning("resuming with changed settings (train.resume_changed=true):\n  %s", "\n  ".join(changed))
+        apply_optim_settings(cfg, optimizer, scheduler)
     log.info("resumed from %s (step %d)", latest, state["step"])
     if accelerator.is_main_process:
         drop_records_after(state["step"], run_dir / "train_steps.jsonl", run_dir / "train_eval.jsonl")
     return state["step"], state["epoch"]
+
+
+def apply_optim_settings(cfg, optimizer, scheduler) -> None:
+    """A checkpoint restores the optimizer's hyperparameters and the schedule's peak rate as they were;
+    under train.resume_changed the run goes on with this config's instead, so that what the run records
+    (train.yaml, draft_config.json) is what it used."""
+    for group in optimizer.param_groups:
+        group.update(
+            betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, initial_lr=cfg.optim.lr
+        )
+    scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
+    rates = [
+        base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+    ]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
 
 
 class StopRequest:
