@@ -131,7 +131,9 @@ def test_the_wrong_mode_for_the_cache_is_refused_naming_the_option(online_run, s
         train(train_config(fresh(online_run, tmp_path, "a"), "cache.hidden_states=false"))
     with pytest.raises(ValueError, match=r"train\.features=online, but .* holds the target's hidden states"):
         train(train_config(fresh(smoke_run, tmp_path, "b"), "train.features=online"))
-    with pytest.raises(ValueError, match=r"train\.features=disk: must be cache or online"):
+    with pytest.raises(
+        ValueError, match=r"train\.features=disk: must be one of cache, online; change train\.features"
+    ):
         train(train_config(fresh(online_run, tmp_path, "c"), "train.features=disk"))
 
 
