@@ -53,7 +53,8 @@ NON_EMPTY = Check(lambda v: bool(v), "non-empty")
 DTYPE = one_of("bfloat16", "float16", "float32")
 REPORT_TO = one_of("none", "wandb")
 WANDB_MODE = one_of("offline", "online")
-RECORD_FORMAT = one_of("auto", "sharegpt", "openai", "fields")
+RECORD_FORMATS = ("auto", "sharegpt", "openai", "fields")
+RECORD_FORMAT = one_of(*RECORD_FORMATS)
 HEAD_KINDS = ("eagle3", "peagle", "eagle1")  # heads/kinds.py's KINDS (tests hold them equal)
 RESUME = Check(
     lambda v: str(v).lower() in ("never", "always", "auto", "true", "false"), "never, always (true) or auto"
@@ -395,27 +396,87 @@ def refuse(key: str, value, wanted: str) -> None:
 
 
 def field_errors(node, prefix: str = "") -> None:
-    """Apply every `checked` field's check under `node`, naming the first value that fails by its key."""
+    """Apply every `checked` field's check under `node` (a composed config or a schema dataclass instance),
+    naming the first value that fails by its key."""
     from omegaconf import ListConfig
 
-    if isinstance(node, ListConfig) and not node._is_none():
-        for index in range(len(node)):
-            field_errors(node._get_node(index), f"{prefix}[{index}]")
+    if isinstance(node, (ListConfig, list)) and not (isinstance(node, ListConfig) and node._is_none()):
+        for index, item in enumerate(node):
+            field_errors(item, f"{prefix}[{index}]")
         return
-    if not isinstance(node, DictConfig) or node._is_none():
+    if isinstance(node, DictConfig):
+        if node._is_none():
+            return
+        schema = OmegaConf.get_type(node)
+    elif dataclasses.is_dataclass(node):
+        schema = type(node)
+    else:
         return
-    schema = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(schema):
         return
     for declared in dataclasses.fields(schema):
         key = f"{prefix}.{declared.name}" if prefix else declared.name
+        value = getattr(node, declared.name)
         check = declared.metadata.get("check")
-        if check is not None:
-            value = node[declared.name]
-            plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-            if not check.test(plain):
-                refuse(key, plain, check.wanted)
-        field_errors(node._get_node(declared.name), key)
+        plain = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        if check is not None and not check.test(plain):
+            refuse(key, plain, check.wanted)
+        field_errors(value, key)
+
+
+ROLES = ("system", "user", "assistant")  # what data.role_map maps a source's roles onto
+
+
+def check_data(data) -> None:
+    """`data.*` (composed, or a DataConfig given to data_prep's reader): each field, and the sources
+    wrong together."""
+    import re
+
+    field_errors(data, "data")
+    if data.mix:
+        if data.source is not None:
+            refuse(
+                "data.source", repr(data.source), "null when data.mix lists the sources (or drop data.mix)"
+            )
+        if data.num_samples is not None:
+            refuse(
+                "data.num_samples",
+                data.num_samples,
+                "null with data.mix: give each source its own data.mix[i].num_samples",
+            )
+        names = [entry.name for entry in data.mix]
+        for index, name in enumerate(names):
+            if not name or name == MISSING or names.index(name) != index:
+                refuse(
+                    f"data.mix[{index}].name",
+                    repr(name),
+                    f"non-empty and unique across the mix (it prefixes that source's conversation ids); names: {names}",
+                )
+    entries = (
+        [(f"data.mix[{i}]", entry) for i, entry in enumerate(data.mix)] if data.mix else [("data", data)]
+    )
+    for where, entry in entries:
+        if not entry.source or entry.source == MISSING:
+            refuse(
+                f"{where}.source",
+                None,
+                "a hub dataset name, a `save_to_disk` directory or local .json/.jsonl/.parquet files"
+                + (" (or list several sources in data.mix)" if where == "data" else ""),
+            )
+        if entry.format == "fields" and not entry.messages_field:
+            refuse(
+                f"{where}.messages_field",
+                None,
+                f"the record key holding the turns with {where}.format=fields",
+            )
+    bad_roles = {source: role for source, role in data.role_map.items() if role not in ROLES}
+    if bad_roles:
+        refuse("data.role_map", bad_roles, f"a map onto {', '.join(ROLES)}")
+    if data.match:
+        try:
+            re.compile(data.match)
+        except re.error as error:
+            refuse("data.match", repr(data.match), f"a valid regular expression ({error})")
 
 
 # Head settings an EAGLE-1 head has no use for (it reads no aux states and shares the target's lm_head).
@@ -454,11 +515,8 @@ def check_combinations(cfg: DictConfig) -> None:
             cfg.head.num_layers,
             f"1 for a {cfg.head.kind} head (only P-EAGLE stacks layers)",
         )
-    for key, entries in (
-        ("eval.heads", cfg.eval.heads),
-        ("eval.workloads", cfg.eval.workloads),
-        ("data.mix", cfg.data.mix),
-    ):
+    check_data(cfg.data)
+    for key, entries in (("eval.heads", cfg.eval.heads), ("eval.workloads", cfg.eval.workloads)):
         names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
             refuse(f"{key}[].name", names, "unique (each names a report row, a server log, a source's ids)")

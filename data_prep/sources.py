@@ -28,9 +28,7 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 
-from omegaconf import MISSING
-
-from artifacts.config import DataConfig, DataSourceConfig
+from artifacts.config import RECORD_FORMATS, DataConfig, DataSourceConfig, check_data
 from artifacts.prompts import first_turn_prompt
 from data_prep.conversation import (
     Conversation,
@@ -43,9 +41,6 @@ from data_prep.conversation import (
 from data_prep.records import read_records
 
 logger = logging.getLogger(__name__)
-
-FORMATS = ("auto", "sharegpt", "openai", "fields")
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass
@@ -79,7 +74,7 @@ class UniqueIds:
 def load_conversations(cfg: DataConfig) -> LoadedConversations:
     """Read `cfg.source` (or every source of `cfg.mix`, in order), keep the usable conversations and count
     the rest by why they were dropped."""
-    check_data_config(cfg)
+    check_data(cfg)  # also checked when composed; here for a DataConfig given directly
     conversations: list[Conversation] = []
     skipped: collections.Counter = collections.Counter()
     problems: list[str] = []
@@ -186,65 +181,6 @@ def read_source(
     return conversations, skipped, problems
 
 
-def check_data_config(cfg: DataConfig) -> None:
-    if cfg.mix:
-        if cfg.source is not None:
-            raise ValueError(
-                f"data.source={cfg.source!r} and data.mix are both set: list every source in data.mix "
-                "and set data.source=null, or drop data.mix"
-            )
-        if cfg.num_samples is not None:
-            raise ValueError(
-                f"data.num_samples={cfg.num_samples} applies to data.source only: with data.mix, give each "
-                "source its own data.mix[i].num_samples (override: data.mix.0.num_samples=N)"
-            )
-        names = [entry.name for entry in cfg.mix]
-        for index, name in enumerate(names):
-            if not name or name == MISSING or names.index(name) != index:
-                raise ValueError(
-                    f"data.mix[{index}].name={name!r}: every source needs its own non-empty name "
-                    f"(it prefixes that source's conversation ids); names: {names}"
-                )
-    elif not cfg.source:
-        raise ValueError(
-            "data.source is not set: give a hub dataset name, a `save_to_disk` directory or local "
-            ".json/.jsonl/.parquet files, or list several sources in data.mix"
-        )
-    for where, entry in sources_to_read(cfg):
-        check_source_config(entry, where)
-    bad_roles = {src: dst for src, dst in cfg.role_map.items() if dst not in ROLES}
-    if bad_roles:
-        raise ValueError(f"data.role_map must map onto {ROLES}; these do not: {bad_roles}")
-    if cfg.match:
-        try:
-            re.compile(cfg.match)
-        except re.error as error:
-            raise ValueError(
-                f"data.match={cfg.match!r} is not a valid regular expression: {error}"
-            ) from error
-    if not 0 <= cfg.eval_fraction < 1:
-        raise ValueError(
-            f"data.eval_fraction={cfg.eval_fraction}: the share of conversations held out must be in [0, 1) "
-            "(0: no held-out split, nothing measured on held-out data; 1 would leave nothing to train on)"
-        )
-    if cfg.max_turns is not None and cfg.max_turns < 1:
-        raise ValueError(f"data.max_turns must be >= 1 or null (all), got {cfg.max_turns}")
-
-
-def check_source_config(entry: DataConfig | DataSourceConfig, where: str) -> None:
-    """The settings of one source; `where` (`data` or `data.mix[i]`) names the fields in messages."""
-    if not entry.source or entry.source == MISSING:
-        raise ValueError(f"{where}.source is not set: give a hub dataset name, a directory or local files")
-    if entry.format not in FORMATS:
-        raise ValueError(f"{where}.format={entry.format!r} is not one of {FORMATS}")
-    if entry.format == "fields" and not entry.messages_field:
-        raise ValueError(
-            f"{where}.format=fields needs {where}.messages_field (the record key holding the turns)"
-        )
-    if entry.num_samples is not None and entry.num_samples < 1:
-        raise ValueError(f"{where}.num_samples must be >= 1 or null (all), got {entry.num_samples}")
-
-
 def split_key(conversation: Conversation) -> str:
     """What the train / held-out split hashes: the prompt (system message and first user turn), so that
     conversations sharing a prompt land on one side and no held-out prompt was trained on."""
@@ -270,7 +206,7 @@ def fingerprint_conversations(conversations: list[Conversation]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Load a conversation source and summarize what is usable.")
     parser.add_argument("source", help="file, glob, directory or Hugging Face hub dataset name")
-    parser.add_argument("--format", default="auto", choices=FORMATS)
+    parser.add_argument("--format", default="auto", choices=RECORD_FORMATS)
     parser.add_argument("--split", default="train")
     parser.add_argument("--strict", action="store_true", help="raise on truncated/corrupt files")
     args = parser.parse_args()

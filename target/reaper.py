@@ -144,20 +144,14 @@ def stop_record(record: Path) -> list[int]:
     return stopped
 
 
-def stop_leftovers(record: Path) -> list[int]:
-    """Stop the processes an earlier, dead owner recorded in `record`; returns their pids. A live owner's
-    record is refused: that run is still going."""
+def refuse_live_run(record: Path) -> None:
+    """Refuse to start while the owner of `record` (an earlier run of this stage here) still runs."""
     values = read_record(record) if record.exists() else None
-    if values is None:
-        record.unlink(missing_ok=True)
-        return []
-    owner, owner_start = values["owner"]
-    if alive(owner, owner_start):
+    if values is not None and alive(*values["owner"]):
         raise RuntimeError(
-            f"{record}: another run of this stage (pid {owner}) is still running in this run directory; "
-            "wait for it or stop it first"
+            f"{record}: another run of this stage (pid {values['owner'][0]}) is still running in this run "
+            "directory; wait for it or stop it first"
         )
-    return stop_record(record)
 
 
 def stop_dead_runs(logs: Path) -> dict[str, list[int]]:
@@ -224,7 +218,7 @@ def leash(run_dir: Path, name: str, interval: float = 0.25, remove: list[Path] =
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     record = logs / f"{name}.processes.json"
-    stop_leftovers(record)  # refuses a live run of this stage; stop_dead_runs below stops a dead one's
+    refuse_live_run(record)
     for earlier, pids in stop_dead_runs(logs).items():
         log.warning("stopped %d processes a dead %s run left running: pids %s", len(pids), earlier, pids)
     owner, owner_start = os.getpid(), start_time(os.getpid())
@@ -242,6 +236,12 @@ def leash(run_dir: Path, name: str, interval: float = 0.25, remove: list[Path] =
     )
     while reaper.poll() is None and not watched(record):  # nothing may start before the reaper watches
         time.sleep(0.02)
+    if reaper.poll() is not None:
+        log.warning(
+            "the reaper of %s exited at once (%s): a kill of this stage may leave processes",
+            name,
+            reaper.returncode,
+        )
     previous_token = os.environ.get(TOKEN_VARIABLE)
     os.environ[TOKEN_VARIABLE] = token
     try:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from target.reaper import alive, descendants, leash, start_time, stop_leftovers, write_record
+from target.reaper import alive, descendants, leash, refuse_live_run, start_time, write_record
 from tests.helpers import REPO
 
 # An owner that starts a process tree under a leash - a child in its own session (as eval's vLLM server),
@@ -126,7 +126,8 @@ def test_a_kill_before_any_snapshot_still_finds_what_the_stage_started(tmp_path,
     assert_nothing_left(tree, record)
 
 
-def test_a_rerun_of_any_stage_stops_what_an_earlier_killed_run_left(tmp_path, caplog):
+@pytest.mark.parametrize("stage", ["eval", "export"])
+def test_a_rerun_of_any_stage_stops_what_an_earlier_killed_run_left(tmp_path, caplog, stage):
     # An earlier run and its reaper both died (say, a power cut of the container): its record remains.
     leftover = subprocess.Popen(["sleep", "300"], start_new_session=True)
     dead_owner = subprocess.Popen(["true"])
@@ -134,7 +135,10 @@ def test_a_rerun_of_any_stage_stops_what_an_earlier_killed_run_left(tmp_path, ca
     record = tmp_path / "logs" / "eval.processes.json"
     record.parent.mkdir()
     write_record(record, dead_owner.pid, 12345.0, [[leftover.pid, start_time(leftover.pid)]])
-    with caplog.at_level(logging.WARNING, logger="target.reaper"), leash(tmp_path, "export"):
+    with (
+        caplog.at_level(logging.WARNING, logger="target.reaper"),
+        leash(tmp_path, stage),
+    ):  # the same or another
         assert leftover.poll() is not None  # stopped (and reaped by the leash: its exit status is gone)
     assert f"a dead eval run left running: pids [{leftover.pid}]" in caplog.text
     assert not record.exists()
@@ -144,7 +148,7 @@ def test_a_live_run_in_the_same_directory_is_not_touched(tmp_path):
     record = tmp_path / "stage.processes.json"
     write_record(record, os.getpid(), start_time(os.getpid()), [])
     with pytest.raises(RuntimeError, match=r"another run of this stage \(pid \d+\) is still running"):
-        stop_leftovers(record)
+        refuse_live_run(record)
 
 
 def test_a_normal_exit_stops_what_the_block_started_and_leaves_no_reaper_or_record(tmp_path):
