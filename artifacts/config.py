@@ -225,7 +225,8 @@ class OptimConfig:
     weight_decay: float = checked(0.0, NON_NEGATIVE)  # AdamW weight decay
     # fraction of the optimizer steps spent warming up linearly
     warmup_ratio: float = checked(0.015, within(0, 1, high_closed=False))
-    min_lr_ratio: float = checked(0.0, within(0, 1))  # cosine decays to lr * min_lr_ratio at the last step
+    # cosine decays towards lr * min_lr_ratio (reached after the last step)
+    min_lr_ratio: float = checked(0.0, within(0, 1))
     max_grad_norm: float = checked(0.5, POSITIVE)  # gradient-norm clip
 
 

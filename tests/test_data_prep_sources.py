@@ -257,7 +257,10 @@ def test_match_keeps_conversations_whose_first_question_matches(tmp_path):
     loaded = load(write_jsonl(tmp_path / "d.jsonl", records), match=r"(?i)python|```", num_samples=2)
     assert [c.id for c in loaded.conversations] == ["a", "c"]
     assert loaded.skipped["no_match"] == 1
-    with pytest.raises(ValueError, match=r"data.match='\(': must be a valid regular expression \(missing \), unterminated subpattern"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.match='\(': must be a valid regular expression \(missing \), unterminated subpattern",
+    ):
         load(tmp_path / "d.jsonl", match="(")
 
 
@@ -531,14 +534,20 @@ def test_the_gpu_recipes_mix_reads_the_hub_datasets_in_their_published_shapes(mo
 @pytest.mark.parametrize(
     "change, error",
     [
-        ({"format": "alpaca"}, r"data\.mix\[1\]\.format=alpaca: must be one of auto, sharegpt, openai, fields"),
+        (
+            {"format": "alpaca"},
+            r"data\.mix\[1\]\.format=alpaca: must be one of auto, sharegpt, openai, fields",
+        ),
         (
             {"format": "fields"},
             r"data\.mix\[1\]\.messages_field=None: must be the record key holding the turns with "
             r"data\.mix\[1\]\.format=fields; change data\.mix\[1\]\.messages_field",
         ),
         ({"num_samples": 0}, r"data\.mix\[1\]\.num_samples=0: must be > 0 or null"),
-        ({"name": "sharegpt"}, r"data\.mix\[1\]\.name='sharegpt': must be non-empty and unique across the mix"),
+        (
+            {"name": "sharegpt"},
+            r"data\.mix\[1\]\.name='sharegpt': must be non-empty and unique across the mix",
+        ),
         ({"source": "missing.jsonl"}, r"data\.mix\[1\]\.source='missing\.jsonl' names no"),
         ({"format": "sharegpt"}, r"no usable conversations in data\.mix\[1\]\.source=.*ultrachat\.parquet"),
     ],
@@ -553,9 +562,15 @@ def test_a_bad_mix_entry_raises_naming_it(tmp_path, change, error):
 
 def test_mix_and_single_source_settings_do_not_combine(tmp_path):
     first, second = write_two_sources(tmp_path)
-    with pytest.raises(ValueError, match=r"data\.source='x\.json': must be null when data\.mix lists the sources"):
+    with pytest.raises(
+        ValueError, match=r"data\.source='x\.json': must be null when data\.mix lists the sources"
+    ):
         mix(first, second, source="x.json")
-    with pytest.raises(ValueError, match=r"data\.num_samples=5: must be null with data\.mix: give each source its own"):
+    with pytest.raises(
+        ValueError, match=r"data\.num_samples=5: must be null with data\.mix: give each source its own"
+    ):
         mix(first, second, num_samples=5)
-    with pytest.raises(ValueError, match=r"data\.source=None: must be a hub dataset name, a `save_to_disk` directory"):
+    with pytest.raises(
+        ValueError, match=r"data\.source=None: must be a hub dataset name, a `save_to_disk` directory"
+    ):
         load_conversations(DataConfig())
