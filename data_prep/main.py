@@ -69,8 +69,6 @@ def build_embedded_target(cfg) -> None:
 
         base = smollm2_dir(Path(cfg.path).parent / "SmolLM2-135M-Instruct")
         upgraded_dir(base, cfg.path)
-    elif cfg.build is not None:
-        raise ValueError(f"target.build={cfg.build!r}: choose smoke, smollm2, smollm2_upgraded or null")
 
 
 def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, dataset_fingerprint) -> dict:

@@ -199,6 +199,7 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
         ("train.resume=maybe", "train.resume=maybe: must be never, always (true) or auto"),
         ("head.kind=medusa", "head.kind=medusa: must be one of eagle3, peagle, eagle1"),
         ("capture.pipeline_parallel_size=2", "capture.pipeline_parallel_size=2: must be 1"),
+        ("target.build=llama", "target.build=llama: must be one of smoke, smollm2, smollm2_upgraded or null"),
         ("eval.heads=[{name: a}, {name: a, method: ngram}]", "eval.heads[].name=['a', 'a']: must be unique"),
         (
             "eval.workloads=[{name: w, source: chat}, {name: w, source: code}]",
