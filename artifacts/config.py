@@ -428,11 +428,9 @@ ROLES = ("system", "user", "assistant")  # what data.role_map maps a source's ro
 
 
 def check_data(data) -> None:
-    """`data.*` (composed, or a DataConfig given to data_prep's reader): each field, and the sources
-    wrong together."""
+    """`data.*` (composed, or a DataConfig given to data_prep's reader): the sources wrong together."""
     import re
 
-    field_errors(data, "data")
     if data.mix:
         if data.source is not None:
             refuse(

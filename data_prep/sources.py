@@ -28,7 +28,7 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 
-from artifacts.config import RECORD_FORMATS, DataConfig, DataSourceConfig, check_data
+from artifacts.config import RECORD_FORMATS, DataConfig, DataSourceConfig, check_data, field_errors
 from artifacts.prompts import first_turn_prompt
 from data_prep.conversation import (
     Conversation,
@@ -74,7 +74,9 @@ class UniqueIds:
 def load_conversations(cfg: DataConfig) -> LoadedConversations:
     """Read `cfg.source` (or every source of `cfg.mix`, in order), keep the usable conversations and count
     the rest by why they were dropped."""
-    check_data(cfg)  # also checked when composed; here for a DataConfig given directly
+    # Checked when a config is composed; here again for a DataConfig given directly (tests, the CLI below).
+    field_errors(cfg, "data")
+    check_data(cfg)
     conversations: list[Conversation] = []
     skipped: collections.Counter = collections.Counter()
     problems: list[str] = []

@@ -107,16 +107,15 @@ def read_trainer_state(path: Path) -> dict:
     return json.loads(state_file.read_text())
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore a checkpoint written by `save_checkpoint`; returns its trainer state (step, epoch)."""
-    state = read_trainer_state(path)
+def restore_checkpoint(accelerator, path: Path) -> None:
+    """Restore the model, optimizer, scheduler and RNG states of a checkpoint written by `save_checkpoint`
+    (its trainer state: `read_trainer_state`)."""
     try:
         accelerator.load_state(str(path))
     except Exception as error:
         raise ValueError(
             f"checkpoint {path} cannot be loaded ({error}); delete it to resume from an older one"
         ) from error
-    return state
 
 
 def read_head_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import signal
 from pathlib import Path
 
 from artifacts import atomic
-from train.checkpoint import changed_settings, checkpoint_dirs, load_checkpoint, read_trainer_state
+from train.checkpoint import changed_settings, checkpoint_dirs, read_trainer_state, restore_checkpoint
 
 # Settings that decide the head's tensors: a checkpoint's weights fit only a head built with its values.
 HEAD_SHAPE_KEYS = ("head.kind", "head.num_layers")
@@ -50,32 +50,34 @@ def resume_point(cfg, accelerator, run_dir: Path, settings: dict, optimizer, sch
     """
     ckpt_dir = run_dir / "ckpt"
     resume = resume_mode(cfg.train.resume)
-    if checkpoint_dirs(ckpt_dir) and resume == "never":
+    checkpoints = checkpoint_dirs(ckpt_dir)
+    if checkpoints and resume == "never":
         raise ValueError(
             f"{ckpt_dir} holds checkpoints of an earlier run: continue it with train.resume=true, or use "
             "another run_dir (or delete that ckpt/) to train from scratch"
         )
-    if resume == "always" and not checkpoint_dirs(ckpt_dir):
+    if resume == "always" and not checkpoints:
         raise ValueError(f"train.resume=true but {ckpt_dir} has no complete checkpoint to resume from")
-    if not checkpoint_dirs(ckpt_dir) or resume == "never":
+    if not checkpoints or resume == "never":
         return 0, 0
-    latest = checkpoint_dirs(ckpt_dir)[-1]
-    recorded = read_trainer_state(latest).get("settings")
-    changed = changed_settings(recorded, settings)
-    shaped = [line for line in changed if line.split(":")[0] in HEAD_SHAPE_KEYS]
+    latest = checkpoints[-1]
+    state = read_trainer_state(latest)
+    recorded = state.get("settings")
+    shaped = changed_settings(head_shape(recorded), head_shape(settings))
     if shaped:  # before loading: the weights would not fit, and the error would name a tensor
         raise ValueError(
             f"{latest} holds another head than this run builds:\n  " + "\n  ".join(shaped)
             + "\nResume with the checkpoint's value of those settings (train.resume_changed cannot change "
             "them), or train this head in another run_dir (train.init_from can warm-start it from this one)"
         )  # fmt: skip
+    changed = changed_settings(recorded, settings)
     if changed and not cfg.train.resume_changed:
         raise ValueError(
             f"{latest} was written with other settings than this run's:\n  " + "\n  ".join(changed)
-            + "\nResume with the checkpoint's values, or add train.resume_changed=true to go on with these "
-            "(the schedule and data order the checkpoint holds go on as they were)"
+            + "\nResume with the checkpoint's values, or add train.resume_changed=true to go on from the "
+            "checkpoint's step with these"
         )  # fmt: skip
-    state = load_checkpoint(accelerator, latest)
+    restore_checkpoint(accelerator, latest)
     if changed:
         log.warning("resuming with changed settings (train.resume_changed=true):\n  %s", "\n  ".join(changed))
         apply_optim_settings(cfg, optimizer, scheduler)
@@ -83,6 +85,11 @@ def resume_point(cfg, accelerator, run_dir: Path, settings: dict, optimizer, sch
     if accelerator.is_main_process:
         drop_records_after(state["step"], run_dir / "train_steps.jsonl", run_dir / "train_eval.jsonl")
     return state["step"], state["epoch"]
+
+
+def head_shape(settings: dict | None) -> dict | None:
+    """The trajectory settings that decide the head's tensors (None: a checkpoint recording none)."""
+    return None if settings is None else {key: settings.get(key) for key in HEAD_SHAPE_KEYS}
 
 
 def apply_optim_settings(cfg, optimizer, scheduler) -> None:
