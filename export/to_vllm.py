@@ -22,6 +22,13 @@ speculative config) and `mask_hidden` [1, A*H]; speculators = `speculators_model
 [1, 1, A*H], the shape speculators' model holds (vLLM reads either as `.view(1, -1)`). Both may hold several
 decoder layers; vLLM builds a `hidden_norm` in every layer and loads each, so layers after the first ship an
 unused all-ones one (speculators reports it unexpected, and loads).
+DFlash (block drafting, docs/dflash.md) has one format vLLM reads as it is, the plain one it was released in:
+`architectures: [DFlashDraftModel]`, a Qwen3 layer config (`model_type: qwen3`, `head_dim`, no attention
+biases, RoPE theta written out: vLLM's DFlash layer defaults it to 1e6 when absent), `draft_vocab_size`,
+`target_hidden_size`, and `dflash_config` with `target_layer_ids` (0-based layer outputs: our vLLM aux ids
+- 1; vLLM has no default for them), `mask_token_id`, `causal` and, for readers, `block_size`. Weights: `fc`,
+`hidden_norm`, `layers.{i}.*` with `self_attn.q_norm`/`k_norm`, `norm`, `lm_head`, `d2t` when pruned; no
+embedding (the target's) and no `mask_hidden` (vLLM asserts on one).
 EAGLE-1 is a plain one-layer Llama config (`architectures: [LlamaForCausalLM]`; vLLM's `method: eagle` maps
 it to its EAGLE Llama) with `fc` and `layers.0.*` minus `input_layernorm`, and no `norm` or `lm_head`: any
 of the three is a load error.
@@ -87,6 +94,30 @@ def eagle3_plain_config(head_config: dict, target_config, dtype: str) -> dict:
         "eagle_aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
         "num_aux_hidden_states": len(c["aux_layer_ids"]),
         **parallel,
+    }
+
+
+def dflash_config(head_config: dict, target_config, dtype: str) -> dict:
+    """config.json of a DFlash head: vLLM's `DFlashDraftModel` on a Qwen3 layer config."""
+    c = head_config
+    rope = {**(c["rope_scaling"] or {"rope_type": "default"}), "rope_theta": c["rope_theta"]}
+    layer = llama_layer_config(c, target_config, dtype)
+    del layer["rope_scaling"]  # transformers 5's Qwen3 config reads RoPE from rope_parameters
+    return {
+        "architectures": ["DFlashDraftModel"],
+        **layer,
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "rope_parameters": rope,
+        "draft_vocab_size": c["draft_vocab_size"],
+        "target_hidden_size": target_config.hidden_size,
+        "block_size": c["block_size"],
+        "dflash_config": {
+            "target_layer_ids": [i - 1 for i in c["aux_layer_ids"]],
+            "mask_token_id": c["mask_token_id"],
+            "causal": c["causal"],
+            "block_size": c["block_size"],
+        },
     }
 
 
@@ -176,7 +207,7 @@ def export_head(
 ) -> Path:
     """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically.
 
-    EAGLE-3 heads go to `fmt` (speculators or plain); EAGLE-1 heads have one format, plain Llama.
+    EAGLE-3 heads go to `fmt` (speculators or plain); DFlash and EAGLE-1 heads have one format, plain.
     `head`: the directory's (record, weights) as `read_head` returned them, when the caller has read them.
     `allow_unverified_head`: export a head whose record holds no checksums (export.allow_unverified_head).
     """
@@ -189,13 +220,16 @@ def export_head(
     check_head_fits_target(head_dir, c, target_config)
     weights = {k: v.to(DTYPES[dtype]) for k, v in head_weights.items()}
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
-    for i in range(1, c.get("num_hidden_layers", 1)):  # vLLM loads a (here unused) hidden_norm per layer
+    for i in range(1, c.get("num_hidden_layers", 1) if kind != "dflash" else 1):
+        # vLLM's EAGLE-3 loads a (here unused) hidden_norm per layer
         weights[f"layers.{i}.hidden_norm.weight"] = torch.ones(c["hidden_size"], dtype=DTYPES[dtype])
-    if "draft_vocab_size" in c:  # EAGLE-3 and P-EAGLE: their own lm_head over the draft vocabulary
+    if "draft_vocab_size" in c:  # EAGLE-3, P-EAGLE, DFlash: their own lm_head over the draft vocabulary
         vocab = load_vocab_map(head_dir / "vocab.safetensors")
         if vocab.d2t is not None:  # only when pruned: vLLM refuses a d2t it does not need
             weights["d2t"] = vocab.d2t.to(torch.int64)
-        if fmt == "plain":
+        if kind == "dflash":
+            config = dflash_config(c, target_config, dtype)
+        elif fmt == "plain":
             config = eagle3_plain_config(c, target_config, dtype)
         else:
             config = eagle3_speculators_config(c, target_config, dtype, target_path, num_speculative_tokens)
@@ -248,7 +282,21 @@ def read_export_config(export_dir: Path) -> tuple[str, dict]:
         raise ValueError(f"{export_dir} is not an export: no config.json (run export/main.py)")
     config = json.loads(path.read_text())
     layer = config.get("transformer_layer_config", config)  # speculators nests the layer
-    fields = {k: layer[k] for k in LAYER_FIELDS}
+    fields = {k: layer[k] for k in LAYER_FIELDS if k in layer}
+    if "dflash_config" in config:
+        dflash = config["dflash_config"]
+        rope = dict(config["rope_parameters"])
+        theta = rope.pop("rope_theta")
+        return "dflash", fields | {
+            "rope_theta": theta,
+            "rope_scaling": None if rope.get("rope_type") == "default" else rope,
+            "draft_vocab_size": config["draft_vocab_size"],
+            "aux_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
+            "num_hidden_layers": config["num_hidden_layers"],
+            "mask_token_id": dflash["mask_token_id"],
+            "block_size": dflash["block_size"],
+            "causal": dflash["causal"],
+        }
     if "eagle_aux_hidden_state_layer_ids" not in config:
         return "eagle1", fields
     fields |= {

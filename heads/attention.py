@@ -1,10 +1,11 @@
 """The one attention of every draft head, and the key/value cache that makes its modes.
 
 Every place a head attends - a plain causal pass (vLLM's prefill, the EAGLE-1 loss), the reference
-decoder's cached decoding, the training-time-test steps of EAGLE-3 and P-EAGLE's parallel depths - goes
-through `attend`: each query sees the keys at positions up to its own (causal) plus, optionally, a few
-keys of its own (the keys of earlier drafting steps at the same anchor), all in one softmax (`attention`;
-a plain causal pass without a cache takes PyTorch's fused kernel for the same function). The caller
+decoder's cached decoding, the training-time-test steps of EAGLE-3, P-EAGLE's parallel depths and DFlash's
+blocks (`block_attention`) - goes through `attention` (the EAGLE heads through `attend`): each query sees
+the keys at positions up to its own (causal) plus, optionally, a few keys of its own (the keys of earlier
+drafting steps at the same anchor, or of its DFlash block), all in one softmax (a plain causal pass without
+a cache takes PyTorch's fused kernel for the same function). The caller
 never builds a mask: a `KVCache` passed to the head's forward decides which keys each call adds and sees.
 
     cache = KVCache(num_layers)                       # decoding: every call continues the sequence
@@ -16,7 +17,8 @@ never builds a mask: a `KVCache` passed to the head's forward decides which keys
 Memory is O(T^2 + T*K), never a dense (T x K*T) mask (docs/design.md#training-time-test).
 
 Shape legend: B batch, T queries, S key positions, M anchors, N query heads, G key/value heads,
-R = N/G queries per key/value head, D head dim, J extra keys per query (earlier steps).
+R = N/G queries per key/value head, D head dim, J extra keys per query (earlier steps, or a block's),
+Q = M*J block queries.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def attention(
     query_positions_BT: Tensor | None = None,
     extra_k_BGTJD: Tensor | None = None,
     extra_v_BGTJD: Tensor | None = None,
+    extra_visible_TJ: Tensor | None = None,
 ) -> Tensor:
-    """Grouped-query attention: query t sees the keys at positions <= its own, plus its own J extra keys.
+    """Grouped-query attention: query t sees the keys at positions <= its own, plus its own J extra keys
+    (those of them `extra_visible_TJ` allows, when given).
 
     Query positions default to the last T of the S key positions (a plain causal pass when T == S; new
     tokens after a cache otherwise); `query_positions_BT` places them elsewhere (P-EAGLE's anchors).
@@ -54,6 +58,8 @@ def attention(
         probs_BGRTS = torch.softmax(scores_BGRTS.float(), dim=-1).to(q_BNTD.dtype)
         return torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTS, v_BGSD).reshape(b, n, t, d)
     scores_BGRTJ = torch.einsum("bgrtd,bgtjd->bgrtj", q_BGRTD, extra_k_BGTJD)
+    if extra_visible_TJ is not None:
+        scores_BGRTJ = scores_BGRTJ.masked_fill(~extra_visible_TJ, float("-inf"))
     probs = torch.softmax(torch.cat([scores_BGRTS, scores_BGRTJ], dim=-1).float(), dim=-1).to(q_BNTD.dtype)
     probs_BGRTS, probs_BGRTJ = probs.split([s, extra_k_BGTJD.shape[3]], dim=-1)
     out_BGRTD = torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTS, v_BGSD)
@@ -73,15 +79,19 @@ class LayerKV:
         self.step_k: list[Tensor] = []
         self.step_v: list[Tensor] = []
 
+    def append(self, k_BGTD: Tensor, v_BGTD: Tensor) -> tuple[Tensor, Tensor]:
+        """Add keys/values after the sequence's; all of them [B, G, S, D]."""
+        if self.k_BGSD is None:
+            self.k_BGSD, self.v_BGSD = k_BGTD, v_BGTD
+        else:
+            self.k_BGSD = torch.cat([self.k_BGSD, k_BGTD], dim=2)
+            self.v_BGSD = torch.cat([self.v_BGSD, v_BGTD], dim=2)
+        return self.k_BGSD, self.v_BGSD
+
     def attend(self, q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor, anchors_BM: Tensor | None) -> Tensor:
         """Add this call's keys (to the sequence, or as the next step) and attend over what is kept."""
         if self.k_BGSD is None or not self.steps:
-            if self.k_BGSD is None:
-                self.k_BGSD, self.v_BGSD = k_BGTD, v_BGTD
-            else:
-                self.k_BGSD = torch.cat([self.k_BGSD, k_BGTD], dim=2)
-                self.v_BGSD = torch.cat([self.v_BGSD, v_BGTD], dim=2)
-            return attention(q_BNTD, self.k_BGSD, self.v_BGSD)
+            return attention(q_BNTD, *self.append(k_BGTD, v_BGTD))
         # A drafting step: its query at anchor t sees the sequence up to t and the steps so far at t.
         self.step_k.append(k_BGTD)
         self.step_v.append(v_BGTD)
@@ -121,6 +131,36 @@ class KVCache:
         """Forget the sequence positions from `length` on (a draft chain's keys, rejected drafts)."""
         for layer in self.layers:
             layer.crop(length)
+
+
+def block_attention(
+    q_BNQD: Tensor,
+    k_BGQD: Tensor,
+    v_BGQD: Tensor,
+    context_k_BGSD: Tensor,
+    context_v_BGSD: Tensor,
+    starts_BM: Tensor,
+    causal: bool,
+) -> Tensor:
+    """DFlash's attention: Q = M*J queries in M blocks of J consecutive positions, block m starting at
+    `starts_BM[m]`; each query sees the context keys at positions < its block's start and the J keys of its
+    own block (all of them, or those up to its own with `causal`), in one softmax.
+
+    The same `attention` as every other head: the block's keys enter as each query's extra keys, so memory
+    is O(Q*S + Q*J), never a dense (Q x (S + Q)) mask over all blocks (docs/dflash.md).
+    """
+    b, g, q, d = k_BGQD.shape
+    m = starts_BM.shape[1]
+    j = q // m
+    query_positions_BQ = (starts_BM - 1).repeat_interleave(j, dim=1)  # context up to the block's start
+    block_k_BGQJD = k_BGQD.view(b, g, m, 1, j, d).expand(b, g, m, j, j, d).reshape(b, g, q, j, d)
+    block_v_BGQJD = v_BGQD.view(b, g, m, 1, j, d).expand(b, g, m, j, j, d).reshape(b, g, q, j, d)
+    visible_QJ = None
+    if causal:
+        visible_QJ = torch.ones(j, j, dtype=torch.bool, device=q_BNQD.device).tril().repeat(m, 1)
+    return attention(
+        q_BNQD, context_k_BGSD, context_v_BGSD, query_positions_BQ, block_k_BGQJD, block_v_BGQJD, visible_QJ
+    )
 
 
 def causal_attention(q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """The config fields every draft head shares: the Llama decoder layer it copies from its target.
 
-Each head kind's config (`Eagle3Config`, `Eagle1Config`) extends `LlamaLayerConfig` with its own fields;
+Each head kind's config (`Eagle3Config`, `DFlashConfig`, `Eagle1Config`) extends `LlamaLayerConfig` with its
+own fields (the heads that read the target's aux layers through `fc` share `AuxHeadConfig`);
 `from_target_config` copies sizes, RoPE and eps from a transformers config, and `to_dict` / `from_dict`
 are what the head file (heads/head_file.py) stores under "config".
 
@@ -97,3 +98,48 @@ def rope_type(config: LlamaLayerConfig) -> str:
             f"{', '.join(SUPPORTED_ROPE_TYPES)}); a RoPE that differs from vLLM's silently lowers acceptance"
         )
     return kind
+
+
+@dataclass(kw_only=True)
+class AuxHeadConfig(LlamaLayerConfig):
+    """The fields of a head that reads the target's aux layers through `fc` and decodes into its own draft
+    vocabulary (EAGLE-3, P-EAGLE, DFlash)."""
+
+    draft_vocab_size: int  # draft vocabulary V_d (lm_head rows); V_d == V means no pruning
+    aux_layer_ids: list[int]  # target layers feeding `fc`, vLLM ids, ascending (fc input order)
+    num_hidden_layers: int = 1  # decoder layers
+    mask_token_id: int | None = None  # the token id of the mask slots (None: no mask slots)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.aux_layer_ids:
+            raise ValueError("aux_layer_ids is empty: the head needs at least one target layer for `fc`")
+        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
+            raise ValueError(
+                f"aux_layer_ids={self.aux_layer_ids}: give them ascending without repeats; vLLM sorts and "
+                "de-duplicates them, so any other order trains `fc` on a different concatenation"
+            )
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size}: must be in 1..vocab_size={self.vocab_size}"
+            )
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: a head needs at least one layer")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id}: not a token id of the {self.vocab_size}-token vocabulary"
+            )
+
+    @classmethod
+    def from_target_config(cls, target_config, aux_layer_ids=None, draft_vocab_size=None, **fields):
+        """Sizes, RoPE and eps from the target; the draft vocabulary capped at the target's."""
+        return super().from_target_config(
+            target_config,
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
+            draft_vocab_size=min(draft_vocab_size, target_config.vocab_size),
+            **fields,
+        )
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)

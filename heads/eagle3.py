@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from heads.attention import KVCache
-from heads.config import LlamaLayerConfig
+from heads.config import AuxHeadConfig
 from heads.layers import DecoderLayer, DraftModel, RMSNorm
 
 # speculators' normalisation flags, as vLLM 0.32 names and reads them (config fields below).
@@ -43,9 +43,10 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 
 
 @dataclass(kw_only=True)
-class Eagle3Config(LlamaLayerConfig):
-    draft_vocab_size: int  # draft vocabulary V_d (lm_head rows); V_d == V means no pruning
-    aux_layer_ids: list[int]  # target layers feeding `fc`, vLLM ids, ascending (fc input order)
+class Eagle3Config(AuxHeadConfig):
+    """EAGLE-3's fields beyond `AuxHeadConfig`'s; layer 0 reads cat(embedding, hidden), later ones are H
+    wide; `mask_token_id` set makes it P-EAGLE (None: sequential EAGLE-3)."""
+
     # speculators' normalisation flags, each one vLLM 0.32 reads (docs/design.md#data-scale):
     norm_before_residual: bool = False  # residual = hidden_norm(h) instead of raw h
     norm_before_fc: bool = (
@@ -53,42 +54,6 @@ class Eagle3Config(LlamaLayerConfig):
     )
     fc_norm: bool = False  # one RMSNorm per aux state (`fc_norm.i`, H wide) before fc
     norm_output: bool = False  # a chain's next step reads norm(out) (post-norm) instead of the pre-norm out
-    num_hidden_layers: int = 1  # decoder layers; layer 0 reads cat(embedding, hidden), later ones H wide
-    mask_token_id: int | None = None  # P-EAGLE: the token id of the mask slots (None: sequential EAGLE-3)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.aux_layer_ids:
-            raise ValueError("aux_layer_ids is empty: EAGLE-3 needs at least one target layer for `fc`")
-        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
-            raise ValueError(
-                f"aux_layer_ids={self.aux_layer_ids}: give them ascending without repeats; vLLM sorts and "
-                "de-duplicates them, so any other order trains `fc` on a different concatenation"
-            )
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size={self.draft_vocab_size}: must be in 1..vocab_size={self.vocab_size}"
-            )
-        if self.num_hidden_layers < 1:
-            raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: a head needs at least one layer")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id}: not a token id of the {self.vocab_size}-token vocabulary"
-            )
-
-    @classmethod
-    def from_target_config(cls, target_config, aux_layer_ids=None, draft_vocab_size=None, **fields):
-        """Sizes, RoPE and eps from the target; the draft vocabulary capped at the target's."""
-        return super().from_target_config(
-            target_config,
-            aux_layer_ids=[int(i) for i in aux_layer_ids],
-            draft_vocab_size=min(draft_vocab_size, target_config.vocab_size),
-            **fields,
-        )
-
-    @property
-    def num_aux(self) -> int:
-        return len(self.aux_layer_ids)
 
     @property
     def parallel_drafting(self) -> bool:

@@ -1,5 +1,5 @@
 """The head kinds, each named once: `head.kind` in the config, "kind" in draft_config.json, the export and
-the reports all say `eagle3`, `peagle` or `eagle1`. vLLM's own vocabularies (its `method`, the speculators
+the reports all say `eagle3`, `peagle`, `dflash` or `eagle1`. vLLM's own vocabularies (its `method`, the speculators
 `speculators_model_type`) are derived here and nowhere else.
 
     kind = head_kind("peagle")
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from heads.config import LlamaLayerConfig
+from heads.dflash import DFlashConfig, DFlashDraft
 from heads.eagle1 import Eagle1Config, Eagle1Draft
 from heads.eagle3 import Eagle3Config, Eagle3Draft
 from heads.layers import EXCLUDED_FROM_EXPORT, DraftModel
@@ -21,12 +22,14 @@ from heads.layers import EXCLUDED_FROM_EXPORT, DraftModel
 
 @dataclass(frozen=True)
 class HeadKind:
-    name: str  # eagle3 | peagle | eagle1
+    name: str  # eagle3 | peagle | dflash | eagle1
     title: str  # how reports and the model card write it
     config_class: type[LlamaLayerConfig]
     model_class: type[DraftModel]
     vllm_method: str  # the `method` of vLLM's speculative config
-    drafting: str  # chain (k draft passes per round) | parallel (one pass drafts the round)
+    # chain (k draft passes per round) | parallel (one pass drafts the round) | block (one pass over the
+    # anchor and k mask slots, the target's context as keys: DFlash)
+    drafting: str
     export_formats: tuple[str, ...]  # config.json formats vLLM reads for it, the default first
     speculators_type: str | None  # `speculators_model_type` in the speculators format
 
@@ -52,6 +55,7 @@ KINDS = {
         ("speculators", "plain"),
         "peagle",
     ),
+    "dflash": HeadKind("dflash", "DFlash", DFlashConfig, DFlashDraft, "dflash", "block", ("plain",), None),
     "eagle1": HeadKind("eagle1", "EAGLE-1", Eagle1Config, Eagle1Draft, "eagle", "chain", ("plain",), None),
 }
 

@@ -87,10 +87,11 @@ class SwiGLU(nn.Module):
 
 
 class Attention(nn.Module):
-    """q/k/v read `input_size` (2H in EAGLE-3's layer 0: `cat(embedding, hidden)`; H elsewhere); o_proj
-    writes H. No biases (vLLM's Llama layer loads none by default)."""
+    """q/k/v read `input_size` (2H in EAGLE-3's layer 0: `cat(input_layernorm(embedding), hidden)`; H
+    elsewhere); o_proj writes H. No biases (vLLM's Llama layer loads none by default). `qk_norm`: Qwen3's
+    per-head RMSNorm on queries and keys before RoPE (`q_norm`, `k_norm`; DFlash's layers)."""
 
-    def __init__(self, config: LlamaLayerConfig, input_size: int):
+    def __init__(self, config: LlamaLayerConfig, input_size: int, qk_norm: bool = False):
         super().__init__()
         h, n, g, d = (
             config.hidden_size,
@@ -103,14 +104,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, g * d, bias=False)
         self.v_proj = nn.Linear(input_size, g * d, bias=False)
         self.o_proj = nn.Linear(n * d, h, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def project(self, x_BTX: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [B, N, T, D], rotated keys and values [B, G, T, D]."""
         b, t, _ = x_BTX.shape
-        q_BNTD = self.q_proj(x_BTX).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGTD = self.k_proj(x_BTX).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BTND = self.q_proj(x_BTX).view(b, t, self.num_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q_BTND = self.q_norm(q_BTND)
+        return (
+            apply_rope(q_BTND.transpose(1, 2), cos_BTD, sin_BTD),
+            *self.keys_values(x_BTX, cos_BTD, sin_BTD),
+        )
+
+    def keys_values(self, x_BTX: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated keys and values [B, G, T, D] of `x` (DFlash also projects the target's context so)."""
+        b, t, _ = x_BTX.shape
+        k_BTGD = self.k_proj(x_BTX).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "k_norm"):
+            k_BTGD = self.k_norm(k_BTGD)
         v_BGTD = self.v_proj(x_BTX).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q_BNTD, cos_BTD, sin_BTD), apply_rope(k_BGTD, cos_BTD, sin_BTD), v_BGTD
+        return apply_rope(k_BTGD.transpose(1, 2), cos_BTD, sin_BTD), v_BGTD
 
     def output(self, attn_BNTD: Tensor) -> Tensor:
         b, _, t, _ = attn_BNTD.shape
@@ -118,17 +134,24 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A plain Llama decoder layer on the pre-norm residual stream (P-EAGLE's layers after the first).
+    """A plain Llama decoder layer on the pre-norm residual stream (P-EAGLE's layers after the first; with
+    `qk_norm`, the Qwen3 layer DFlash stacks).
 
     `input_layernorm=False` builds vLLM's EAGLE-1 layer 0, whose input norm is the identity: attention reads
     the raw input, and a checkpoint holding `input_layernorm.weight` would fail to load there.
     """
 
-    def __init__(self, config: LlamaLayerConfig, input_size: int | None = None, input_layernorm: bool = True):
+    def __init__(
+        self,
+        config: LlamaLayerConfig,
+        input_size: int | None = None,
+        input_layernorm: bool = True,
+        qk_norm: bool = False,
+    ):
         super().__init__()
         if input_layernorm:
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, input_size or config.hidden_size)
+        self.self_attn = Attention(config, input_size or config.hidden_size, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
@@ -168,6 +191,8 @@ class DraftModel(nn.Module):
     def parallel(self) -> bool:
         """True when one forward drafts a whole round (P-EAGLE's mask slots)."""
         return False
+
+    drafting = "chain"  # how a round is drafted: chain | block (DFlash); P-EAGLE is a chain head + `parallel`
 
     @torch.no_grad()
     def load_target_embedding(self, weight_VH: Tensor) -> None:

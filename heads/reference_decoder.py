@@ -27,6 +27,9 @@ One request, in vLLM's order so that the counts equal its counters:
 Parallel drafting (P-EAGLE, a head with a mask token): step 2 proposes the whole chain in one pass - draft 1
 from the last verified position, drafts 2..k from k-1 mask slots at positions t+1..t+k-1 that read the
 mask token beside `fc(mask_hidden)` and attend to the cache and to each other, causally.
+Block drafting (DFlash): step 2 adds the target's context of every newly verified position to the head's
+cache, then one forward over the block [pending token, k mask tokens] at the positions after them, which
+sees the whole context and the block, drafts all k (the mask slot at position q drafts the token at q).
 
 Shape legend: B batch (1), T positions, S key positions, A aux layers, H hidden, N query heads,
 G key/value heads, D head dim, V target vocab, Vd draft vocab.
@@ -102,6 +105,11 @@ def target_forward(target, head: DraftHead, ids: list[int], cache, start: int) -
 class DraftState:
     """The head's key/value cache of positions 0..length-1, computed from the target's features only."""
 
+    @staticmethod
+    def of(head: DraftHead) -> DraftState:
+        """The state that drafts for `head`: a block drafter's (DFlash) or a chain / parallel one's."""
+        return BlockDraftState(head) if head.draft.drafting == "block" else DraftState(head)
+
     def __init__(self, head: DraftHead):
         self.head = head
         self.cache = KVCache(len(head.draft.layers))
@@ -140,6 +148,12 @@ class DraftState:
         self.cache.crop(length)
         return drafts
 
+    def round(self, ids: list[int], pending: int, features: Tensor, num_draft_tokens: int) -> list[int]:
+        """One round's drafts: read the positions the target verified since the last round (`features`: of
+        the last of `ids` ... beside the next token), then propose from the last of them."""
+        out_B1H = self.extend((ids + [pending])[self.length + 1 :], features)
+        return self.propose(out_B1H, num_draft_tokens)
+
     def propose_parallel(self, num_mask_slots: int) -> list[int]:
         """Drafts 2..k in one pass: mask slots at positions t+1..t+k-1 (t: the last cached position)."""
         if num_mask_slots == 0:
@@ -148,6 +162,22 @@ class DraftState:
         hidden_BTH = draft.mask_state().expand(1, num_mask_slots, -1)
         out_BTH = self.step([draft.config.mask_token_id] * num_mask_slots, hidden_BTH, self.length)
         return [self.token(out_BTH[:, i : i + 1]) for i in range(num_mask_slots)]
+
+
+class BlockDraftState(DraftState):
+    """A block drafter's (DFlash's) cache: the keys/values of the target's context at positions 0..length-1,
+    which is every position the target has verified (its features of position t, not shifted)."""
+
+    def round(self, ids: list[int], pending: int, features: Tensor, num_draft_tokens: int) -> list[int]:
+        """The context of the newly verified positions joins the cache; one forward over the block
+        [pending, mask x k] at the positions after them drafts the k tokens (vLLM's DFlash round)."""
+        draft, device = self.head.draft, features.device
+        block_ids_B1J = torch.tensor(
+            [[[pending] + [draft.config.mask_token_id] * num_draft_tokens]], device=device
+        )
+        start_B1 = torch.tensor([[len(ids)]], device=device)
+        out_B1JH = draft(block_ids_B1J, start_B1, draft.target_hidden(features), self.cache)
+        return [self.token(out_B1JH[:, 0, i : i + 1]) for i in range(1, num_draft_tokens + 1)]
 
 
 def finish(output: list[int], max_new_tokens: int, stop_token_ids) -> tuple[list[int], bool]:
@@ -178,10 +208,9 @@ def speculative_generate(
     features, logits_TV = target_forward(target, head, ids, cache, start=0)
     pending = int(logits_TV[-1].argmax())  # the target's next token, not yet read by it
     output, done = finish([pending], max_new_tokens, stop_token_ids)
-    state = DraftState(head)
+    state = DraftState.of(head)
     while not done:
-        out_B1H = state.extend((ids + [pending])[state.length + 1 :], features)
-        drafts = state.propose(out_B1H, num_draft_tokens)
+        drafts = state.round(ids, pending, features, num_draft_tokens)
         features, logits_TV = target_forward(target, head, [pending, *drafts], cache, start=len(ids))
         greedy = logits_TV.argmax(-1).tolist()  # greedy[i]: the target's token after position len(ids)+i
         accepted = 0

@@ -107,20 +107,33 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return digest.hexdigest()
 
 
-def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's default taps (2, L//2, L-3) in vLLM's convention, sorted and de-duplicated as vLLM does."""
-    return sorted({2, num_hidden_layers // 2, num_hidden_layers - 3})
+DFLASH_TARGET_LAYERS = 5  # DFlash's fused target layers (the 5-layer reproductions: ModelOpt, speculators)
+
+
+def default_aux_layer_ids(num_hidden_layers: int, head_kind: str = "eagle3") -> list[int]:
+    """The target layers a head of `head_kind` reads by default, in vLLM's aux-id convention, sorted and
+    de-duplicated as vLLM does - the one place every kind's default is chosen (data_prep's cache, online
+    training and the export all take the cache's ids).
+
+    EAGLE-3 / P-EAGLE (and EAGLE-1's cache): (2, L//2, L-3). DFlash: DFLASH_TARGET_LAYERS layers evenly
+    spaced over the 0-based layer outputs 1..L-3 (z-lab's `build_target_layer_ids`), + 1 for vLLM's aux ids.
+    """
+    if head_kind != "dflash":
+        return sorted({2, num_hidden_layers // 2, num_hidden_layers - 3})
+    last = max(1, num_hidden_layers - 3)
+    n = DFLASH_TARGET_LAYERS
+    return sorted({round(1 + i * (last - 1) / (n - 1)) + 1 for i in range(n)})
 
 
 def resolve_aux_layer_ids(ids, num_hidden_layers: int, head_kind: str = "eagle3") -> list[int]:
     """Validated aux ids: id i is the residual stream entering decoder layer i (id L: before the final norm)."""
     if ids is None:
-        ids = default_aux_layer_ids(num_hidden_layers)
+        ids = default_aux_layer_ids(num_hidden_layers, head_kind)
     ids = [int(i) for i in ids]
     if not ids and head_kind != "eagle1":  # an EAGLE-1 head reads only the final state: [] is its cache
         raise ValueError(
             f"cache.aux_layer_ids=[]: a head.kind={head_kind} head needs at least one tapped layer; leave it "
-            f"null for the default {default_aux_layer_ids(num_hidden_layers)} ([] suits EAGLE-1 heads only)"
+            f"null for the default {default_aux_layer_ids(num_hidden_layers, head_kind)} ([] suits EAGLE-1 heads only)"
         )
     bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
     if bad:

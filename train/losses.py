@@ -1,4 +1,5 @@
-"""The losses of every head kind: training-time test (EAGLE-3), parallel drafting (P-EAGLE) and EAGLE-1.
+"""The losses of every head kind: training-time test (EAGLE-3), parallel drafting (P-EAGLE), block drafting
+(DFlash) and EAGLE-1.
 
 Pure functions on tensors (no I/O, no Accelerator), tested on CPU. Each drives the head through its own
 `forward` (heads/), once per drafting step, with a `heads.attention.KVCache` in steps mode that holds the
@@ -12,6 +13,10 @@ keys of earlier steps (docs/design.md#training-time-test):
   vLLM appends read (mask token, `fc(mask_hidden)`) at t+1..t+K-1 and see the real keys at <= t and the slots
   before them. Same teacher, loss and metrics as TTT; unlike TTT a slot's input does not depend on earlier
   slots' outputs. COD (P-EAGLE's anchor subsampling, `cod_ratio` r < 1): depth d >= 1 at ~T*r^d anchors.
+- Block drafting (`block_loss`, docs/dflash.md): random anchors a per sequence (x_{a+1} an answer token);
+  one forward of the head over every block [x_a, mask x K] at positions a..a+K, each block seeing the
+  target's context at positions < a and itself (bidirectionally unless the head is causal); slot k at a+k
+  predicts x_{a+k} against the target's draft-vocabulary distribution at a+k-1, weighted exp(-(k-1)/decay).
 - EAGLE-1 (`eagle1_loss`, docs/design.md#the-draft-heads): SmoothL1(f_pred, f_true) + 0.1 * soft CE, noise
   U(-0.1, 0.1) on the input features; f_{t+1} predicted at t decodes x_{t+2}: TTT's step-0 shift and mask.
 
@@ -33,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from heads.acceptance import chain_counts
 from heads.attention import KVCache
+from heads.dflash import DFlashDraft
 from heads.eagle1 import Eagle1Draft
 from heads.eagle3 import Eagle3Draft
 
@@ -284,6 +290,96 @@ def parallel_loss(
     probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
     return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator, anchors)
+
+
+def sample_anchors(
+    loss_mask_BT: Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """(anchors_BM, real_BM): up to `num_anchors` random anchor positions per row, among the positions
+    a >= 1 whose next token x_{a+1} is an answer token (a block needs some context before its anchor and an
+    answer to predict); M = min(num_anchors, the most such positions in a row); a row with fewer has its
+    spare anchors marked not real (their slots get no loss)."""
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors={num_anchors}: a block loss needs at least one anchor per sequence")
+    wanted_BT = shift_left(loss_mask_BT.bool(), 1, False)
+    wanted_BT[:, 0] = False
+    noise_BT = torch.rand(wanted_BT.shape, generator=generator, device="cpu").to(wanted_BT.device)
+    order_BT = torch.argsort(noise_BT + (~wanted_BT).float(), dim=1)  # wanted anchors first, shuffled
+    m = max(1, min(num_anchors, int(wanted_BT.sum(1).max())))
+    anchors_BM = order_BT[:, :m]
+    return anchors_BM, wanted_BT.gather(1, anchors_BM)
+
+
+def block_forward(model: DFlashDraft, input_ids_BT: Tensor, aux_BTAH: Tensor, anchors_BM: Tensor) -> Tensor:
+    """Pre-norm outputs [B, M, J, H] of one block per anchor: [x_a, mask x (J-1)] at positions a..a+J-1,
+    in one call of the head's forward over the whole batch's context."""
+    j = model.config.block_size
+    block_ids_BMJ = torch.full((*anchors_BM.shape, j), model.config.mask_token_id, device=input_ids_BT.device)
+    block_ids_BMJ[..., 0] = input_ids_BT.gather(1, anchors_BM)
+    return model(block_ids_BMJ, anchors_BM, model.target_hidden(aux_BTAH))
+
+
+def block_loss(
+    model: DFlashDraft,
+    batch: dict[str, Tensor],
+    weights: list[float],
+    target_lm_head: Tensor,
+    draft_to_target: Tensor,
+    chunk_size: int,
+    denominator: Tensor | float | None = None,
+    num_anchors: int = 512,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """total = sum_k weights[k] * loss_k over the block's K = block_size - 1 mask slots; the batch and the
+    metrics as `ttt_loss`'s, per slot (`chain_*_k`: the slots before k all right, as vLLM accepts)."""
+    num_slots = model.config.block_size - 1
+    if len(weights) != num_slots:
+        raise ValueError(f"{len(weights)} loss weights for {num_slots} mask slots")
+    input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
+    attention_mask_BT = batch.get("attention_mask")
+    real_BT = torch.ones_like(loss_mask_BT) if attention_mask_BT is None else attention_mask_BT.bool()
+    b, t = input_ids_BT.shape
+    anchors_BM, anchor_real_BM = sample_anchors(loss_mask_BT, num_anchors, generator)
+    probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    out_BMJH = block_forward(model, input_ids_BT, batch["aux_hidden"], anchors_BM)
+    total = torch.zeros((), device=input_ids_BT.device)
+    metrics: dict[str, Tensor] = {}
+    correct, eligible = [], []
+    for k in range(num_slots):
+        # Slot k+1 of the block sits at a+k+1 and predicts the token there; its teacher is the target at a+k.
+        position_BM = anchors_BM + k + 1
+        inside_BM = position_BM < t
+        position_BM = position_BM.clamp(max=t - 1)
+        answer_BM = loss_mask_BT.gather(1, position_BM) & real_BT.gather(1, position_BM) & inside_BM
+        eligible_BM = answer_BM & anchor_real_BM
+        valid_BM = eligible_BM & in_draft_BT.gather(1, position_BM - 1)
+        batch_R, row_R = valid_BM.nonzero(as_tuple=True)
+        loss, correct_1R, num_valid = step_loss(
+            model.logits(out_BMJH[batch_R, row_R, k + 1])[None],
+            probs_BTVd[batch_R, position_BM[batch_R, row_R] - 1][None],
+            torch.ones(1, batch_R.numel(), dtype=torch.bool, device=valid_BM.device),
+            denominator,
+        )
+        correct_BM = torch.zeros_like(valid_BM)
+        correct_BM[batch_R, row_R] = correct_1R[0]
+        total = total + weights[k] * loss
+        metrics[f"loss_{k}"] = loss.detach()
+        metrics[f"acc_{k}"] = correct_BM.sum() / num_valid.clamp(min=1)
+        metrics[f"num_valid_{k}"] = num_valid
+        correct.append(correct_BM)
+        eligible.append(eligible_BM)
+    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
+    for k in range(num_slots):
+        metrics[f"chain_hits_{k}"], metrics[f"chain_total_{k}"] = hits_K[k], totals_K[k]
+    return total, metrics
+
+
+def loss_weights(head_cfg, num_steps: int) -> list[float]:
+    """The weight of draft position k's loss: gamma^k (EAGLE-3's TTT steps, P-EAGLE's depths), or DFlash's
+    exp(-k / loss_decay) over its mask slots (arXiv 2602.06036)."""
+    if head_cfg.kind == "dflash":
+        return [math.exp(-k / head_cfg.loss_decay) for k in range(num_steps)]
+    return [head_cfg.gamma**k for k in range(num_steps)]
 
 
 def add_feature_noise(

@@ -50,6 +50,7 @@ from train.data import (
     plan_epoch,
     train_lengths,
 )
+from train.losses import loss_weights
 from train.metrics import (
     add_step_metrics,
     append_record,
@@ -229,7 +230,7 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
                 add_step_metrics(sums, metrics, denominator)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             sums = accelerator.reduce(sums, "sum")
-            total_loss = weighted_loss(sums, cfg.head.gamma)
+            total_loss = weighted_loss(sums, loss_weights(cfg.head, num_ttt))
             check_finite(total_loss, grad_norm, step + 1, ckpt_dir)
             step_lr = setup.scheduler.get_last_lr()[0]  # the rate this optimizer step uses
             setup.optimizer.step()

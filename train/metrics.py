@@ -47,9 +47,10 @@ def add_step_metrics(sums_3K: torch.Tensor, metrics: dict, denominator: torch.Te
         sums_3K[:, k] += torch.stack([metrics[f"loss_{k}"] * denominator, n, metrics[f"acc_{k}"] * n])
 
 
-def weighted_loss(sums_3K: torch.Tensor, gamma: float) -> float:
-    """The step's loss as the objective weighs it: the mean at depth k, weighted gamma**k, summed."""
-    weights_K = torch.tensor([gamma**k for k in range(sums_3K.shape[1])], device=sums_3K.device)
+def weighted_loss(sums_3K: torch.Tensor, weights: list[float]) -> float:
+    """The step's loss as the objective weighs it: the mean at depth k, weighted weights[k] (train/losses.py
+    `loss_weights`), summed."""
+    weights_K = torch.tensor(weights, device=sums_3K.device)
     return float((sums_3K[0] / sums_3K[1].clamp(min=1) * weights_K).sum())
 
 

@@ -12,21 +12,23 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from heads.dflash import DFlashConfig, DFlashDraft
 from heads.eagle1 import Eagle1Config, Eagle1Draft
 from heads.eagle3 import NORM_FLAGS, Eagle3Config, Eagle3Draft
 from heads.head_file import HeadRecord
 from heads.kinds import head_kind
 from target.model import load_final_norm
-from train.losses import eagle1_loss, parallel_loss, ttt_loss
+from train.losses import block_loss, eagle1_loss, loss_weights, parallel_loss, ttt_loss
 
 
 class DraftWithLoss(torch.nn.Module):
     """The head plus its objective in one forward, so DDP / DeepSpeed see a single module call.
 
     EAGLE-3: the TTT loss. P-EAGLE: the parallel-drafting loss, with COD subsampling while training only
-    (held-out metrics see every anchor); `head.aux_noise` perturbs the aux states while training only.
+    (held-out metrics see every anchor). DFlash: the block loss, its anchors drawn from the global RNG while
+    training (restored on resume) and from a fixed seed for held-out metrics; `head.aux_noise` perturbs the aux states while training only.
     EAGLE-1: feature regression + soft CE, reported as one step (loss_0, acc_0) so the loop treats all
-    alike. The three losses: train/losses.py.
+    alike. The losses: train/losses.py.
     """
 
     def __init__(self, draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
@@ -35,6 +37,7 @@ class DraftWithLoss(torch.nn.Module):
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
         self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
+        self.seed = cfg.seed
 
     def forward(self, batch, denominator=None):
         if self.training and self.head_cfg.aux_noise and "aux_hidden" in batch:
@@ -46,6 +49,12 @@ class DraftWithLoss(torch.nn.Module):
                 self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
                 self.draft_to_target, self.chunk_size, denominator,
                 cod_ratio=self.head_cfg.cod_ratio if self.training else 1.0,
+            )  # fmt: skip
+        if self.kind == "dflash":
+            generator = None if self.training else torch.Generator().manual_seed(self.seed)
+            return block_loss(
+                self.draft, batch, loss_weights(self.head_cfg, self.num_steps), self.target_lm_head,
+                self.draft_to_target, self.chunk_size, denominator, self.head_cfg.num_anchors, generator,
             )  # fmt: skip
         if self.kind == "eagle3":
             return ttt_loss(
@@ -68,8 +77,10 @@ class DraftWithLoss(torch.nn.Module):
 
 
 def num_loss_steps(cfg) -> int:
-    """Drafting depths the objective trains and reports: K for EAGLE-3 and P-EAGLE, one for EAGLE-1."""
-    return {"eagle1": 1, "peagle": cfg.head.num_depths}.get(cfg.head.kind, cfg.head.num_ttt_steps)
+    """Drafting depths the objective trains and reports: K for EAGLE-3 and P-EAGLE, a DFlash block's mask
+    slots (block_size - 1), one for EAGLE-1."""
+    depths = {"eagle1": 1, "peagle": cfg.head.num_depths, "dflash": cfg.head.block_size - 1}
+    return depths.get(cfg.head.kind, cfg.head.num_ttt_steps)
 
 
 def build_draft(cfg, target_config, cache_manifest, vocab):
@@ -78,6 +89,17 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
     head_kind(cfg.head.kind)  # an unknown kind is refused naming head.kind
     if cfg.head.kind == "eagle1":  # its settings are checked with the config (artifacts/config.py)
         return Eagle1Draft(Eagle1Config.from_target_config(target_config))
+    if cfg.head.kind == "dflash":
+        config = DFlashConfig.from_target_config(
+            target_config,
+            aux_layer_ids=cache_manifest["aux_layer_ids"],
+            draft_vocab_size=vocab.draft_vocab_size,
+            num_hidden_layers=cfg.head.num_layers,
+            mask_token_id=mask_token_id(cfg, target_config),
+            block_size=cfg.head.block_size,
+            causal=cfg.head.causal,
+        )
+        return DFlashDraft(config)
     parallel = {}
     if cfg.head.kind == "peagle":
         parallel = {
@@ -96,7 +118,7 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
 
 @torch.no_grad()
 def init_lm_head(cfg, draft, target_lm_head_VH: torch.Tensor, draft_to_target: torch.Tensor) -> None:
-    """`head.lm_head_init` and `head.freeze_lm_head` (EAGLE-3 / P-EAGLE heads).
+    """`head.lm_head_init` and `head.freeze_lm_head` (the heads with their own lm_head: all but EAGLE-1).
 
     `target`: the lm_head starts as the target's rows of the draft vocabulary and the final norm as the
     target's, so the head starts decoding as the target does (speculators' recipe; it freezes the rows).
@@ -109,7 +131,7 @@ def init_lm_head(cfg, draft, target_lm_head_VH: torch.Tensor, draft_to_target: t
 
 
 def mask_token_id(cfg, target_config) -> int:
-    """P-EAGLE's mask token: `head.mask_token_id`, else the target's pad token, else its (first) eos token.
+    """P-EAGLE's and DFlash's mask token: `head.mask_token_id`, else the target's pad token, else its (first) eos token.
 
     An existing token, frozen: vLLM feeds the mask slots the target's own embedding of this id, so a learned
     mask embedding would mean shipping a whole embedding table; the learned `mask_hidden` (A*H wide,
