@@ -307,7 +307,7 @@ class EvalHeadConfig:
 @dataclass
 class WorkloadConfig:
     name: str = checked(MISSING, NON_EMPTY)  # label in reports
-    source: str = MISSING  # chat (the cache's held-out prompts) | code (HumanEval) | path to a JSONL
+    source: str = MISSING  # chat (held-out prompts) | code (HumanEval) | mtbench (2 turns) | a JSONL path
     num_prompts: int = checked(32, POSITIVE)  # prompts sent per measured run
     max_tokens: int = checked(128, POSITIVE)  # output tokens per request
 

@@ -1,0 +1,194 @@
+"""DFlash (block drafting): the block attention against a dense-mask reference written here, the training
+forward against the reference decoder's rounds, losslessness, an overfit that learns every block position,
+the default target layers, the export read back, and the config checks."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from heads.attention import block_attention
+from heads.dflash import DFlashConfig, DFlashDraft
+from heads.reference_decoder import BlockDraftState, DraftHead, DraftState, speculative_generate
+from target.model import default_aux_layer_ids
+from train.losses import block_forward, block_loss, loss_weights
+
+
+def tiny_dflash_config(**overrides) -> DFlashConfig:
+    values = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=40,
+        draft_vocab_size=40,
+        aux_layer_ids=[1, 2],
+        num_hidden_layers=2,
+        mask_token_id=3,
+        block_size=4,
+        rope_theta=1000.0,
+        max_position_embeddings=128,
+    )
+    return DFlashConfig(**{**values, **overrides})
+
+
+def random_dflash(config: DFlashConfig, seed: int = 0) -> DFlashDraft:
+    """Every weight random, the norms' too (ones would hide a missing norm)."""
+    torch.manual_seed(seed)
+    model = DFlashDraft(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            else:
+                param.normal_(0, 1 / math.sqrt(param.shape[-1]))
+    return model
+
+
+def dense_block_attention(q_BNQD, k_BGQD, v_BGQD, ctx_k_BGSD, ctx_v_BGSD, starts_BM, causal):
+    """The reference: every block's queries against [all context keys, all blocks' keys] under one dense
+    (Q x (S + Q)) mask - context positions < the block's start, its own block's keys (causally if asked)."""
+    b, n, q, d = q_BNQD.shape
+    g, s, m = k_BGQD.shape[1], ctx_k_BGSD.shape[2], starts_BM.shape[1]
+    j = q // m
+    keys = torch.cat([ctx_k_BGSD, k_BGQD], 2).repeat_interleave(n // g, 1)
+    values = torch.cat([ctx_v_BGSD, v_BGQD], 2).repeat_interleave(n // g, 1)
+    out = torch.empty_like(q_BNQD)
+    for row in range(b):
+        visible = torch.zeros(q, s + q, dtype=torch.bool)
+        for query in range(q):
+            block, slot = divmod(query, j)
+            visible[query, : int(starts_BM[row, block])] = True
+            own = range(block * j, block * j + (slot + 1 if causal else j))
+            visible[query, [s + key for key in own]] = True
+        scores = q_BNQD[row] @ keys[row].transpose(-1, -2) / math.sqrt(d)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        out[row] = probs @ values[row]
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_attention_equals_a_dense_mask(causal):
+    torch.manual_seed(0)
+    b, n, g, d, s, m, j = 2, 4, 2, 8, 11, 3, 4
+    q = torch.randn(b, n, m * j, d)
+    k, v = torch.randn(b, g, m * j, d), torch.randn(b, g, m * j, d)
+    ctx_k, ctx_v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    starts = torch.tensor([[1, 5, 9], [4, 0, 10]])  # a block at 0 sees no context, only itself
+    got = block_attention(q, k, v, ctx_k, ctx_v, starts, causal)
+    torch.testing.assert_close(got, dense_block_attention(q, k, v, ctx_k, ctx_v, starts, causal))
+
+
+def test_each_block_sees_only_the_context_before_its_anchor():
+    """The batched training forward equals each block run alone on the context before it (the decoder's
+    cached path): a block reads no later context and no other block."""
+    draft = random_dflash(tiny_dflash_config())
+    aux, ids = torch.randn(1, 16, 2, 64), torch.randint(0, 40, (1, 16))
+    anchors = torch.tensor([[9, 2, 5, 14]])
+    out = block_forward(draft, ids, aux, anchors)
+    for m, a in enumerate(anchors[0].tolist()):
+        alone = block_forward(draft, ids[:, : a + 1], aux[:, : a + 1], torch.tensor([[a]]))
+        torch.testing.assert_close(alone[0, 0], out[0, m], atol=1e-5, rtol=1e-5)
+    aux_later = aux.clone()
+    aux_later[:, 10:] += 5.0  # context at and after position 10 changes
+    later = block_forward(draft, ids, aux_later, anchors)
+    torch.testing.assert_close(later[0, :3], out[0, :3])  # anchors 9, 2, 5 read positions < 10 only
+    assert not torch.allclose(later[0, 3], out[0, 3])
+
+
+@pytest.fixture(scope="module")
+def target_and_dflash(smoke_target_dir):
+    """A two-layer DFlash head with random weights on the smoke target (parity, not quality)."""
+    target = AutoModelForCausalLM.from_pretrained(smoke_target_dir, dtype=torch.float32).eval()
+    config = DFlashConfig.from_target_config(
+        AutoConfig.from_pretrained(smoke_target_dir), [1, 3, 4], 1024, num_hidden_layers=2, mask_token_id=7
+    )
+    draft = random_dflash(config).eval().requires_grad_(False)
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    return target, DraftHead(draft, torch.arange(1024))
+
+
+PROMPT = [5, 77, 301, 12, 9, 640, 33]
+
+
+def test_block_drafting_is_lossless(target_and_dflash):
+    target, head = target_and_dflash
+    assert isinstance(DraftState.of(head), BlockDraftState)
+    greedy = target.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    for k in (1, 7):
+        output, counts = speculative_generate(target, head, PROMPT, k, max_new_tokens=20)
+        assert output == greedy[0, len(PROMPT) :].tolist()
+        assert counts.num_draft_tokens == k * counts.num_drafts > 0
+
+
+def test_the_decoders_rounds_are_trainings_block_forward(target_and_dflash):
+    """Round after round (the cache growing by the verified positions), the decoder's drafts are the
+    argmaxes of training's block at the same anchor over the same target states."""
+    _, head = target_and_dflash
+    draft, k = head.draft, 7
+    torch.manual_seed(1)
+    ids, aux = torch.randint(0, 1024, (1, 24)), torch.randn(1, 24, 3, 256)
+    starts = [5, 6, 11, 19]  # the pending token's position each round: 1, 5 and 8 positions verified
+    out_BMJH = block_forward(draft, ids, aux, torch.tensor([starts]))
+    state, done = DraftState.of(head), 0
+    for m, start in enumerate(starts):
+        drafts = state.round(ids[0, :start].tolist(), int(ids[0, start]), aux[:, done:start], k)
+        done = start
+        assert state.length == start
+        assert drafts == draft.logits(out_BMJH[0, m, 1:]).argmax(-1).tolist()
+
+
+def test_an_overfit_learns_every_block_position():
+    """A fixed batch, every anchor a block: each of the K mask slots reaches full accuracy (the loss
+    reaches every slot, whatever its weight)."""
+    config = tiny_dflash_config(block_size=5, num_hidden_layers=1)
+    draft = random_dflash(config)
+    torch.manual_seed(0)
+    length = 24
+    lm_head_VH = torch.randn(40, 64)
+    batch = {
+        "input_ids": torch.randint(4, 40, (2, length)),
+        "loss_mask": torch.ones(2, length, dtype=torch.bool),
+        "aux_hidden": torch.randn(2, length, 2, 64),
+        "final_hidden": torch.randn(2, length, 64) * 3,
+    }
+    batch["loss_mask"][:, :4] = False  # a prompt
+    weights = [math.exp(-k / 4.0) for k in range(4)]
+    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        loss, _ = block_loss(
+            draft, batch, weights, lm_head_VH, torch.arange(40), 64, num_anchors=64, generator=generator
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    _, metrics = block_loss(draft, batch, weights, lm_head_VH, torch.arange(40), 64, num_anchors=64)
+    assert [float(metrics[f"acc_{k}"]) for k in range(4)] == [1.0] * 4
+    assert [int(metrics[f"num_valid_{k}"]) for k in range(4)] == [2 * (20 - k) for k in range(4)]
+
+
+def test_loss_weights_decay_per_slot():
+    class Head:
+        kind, loss_decay, gamma = "dflash", 4.0, 0.8
+
+    assert loss_weights(Head, 3) == [1.0, math.exp(-0.25), math.exp(-0.5)]
+    Head.kind = "peagle"
+    assert loss_weights(Head, 3) == [1.0, 0.8, 0.8**2]
+
+
+def test_default_target_layers():
+    """DFlash: five layer outputs evenly spaced over 1..L-3 (z-lab's rule), as vLLM aux ids (+1)."""
+    assert default_aux_layer_ids(30, "dflash") == [2, 9, 15, 21, 28]  # SmolLM2-135M
+    assert default_aux_layer_ids(36, "dflash") == [2, 10, 18, 26, 34]  # Qwen3-8B: z-lab's [1, 9, 17, 25, 33]
+    assert default_aux_layer_ids(6, "dflash") == [2, 3, 4]  # de-duplicated on a shallow target
+    assert default_aux_layer_ids(30, "eagle3") == default_aux_layer_ids(30, "peagle") == [2, 15, 27]
+
+
+def test_config_refuses_a_block_without_mask_slots_or_mask_token():
+    with pytest.raises(ValueError, match="block_size=1"):
+        tiny_dflash_config(block_size=1)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        tiny_dflash_config(mask_token_id=None)
