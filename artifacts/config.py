@@ -209,6 +209,9 @@ class HeadConfig:
     # the loss of draft position k (TTT step or parallel depth) weighs gamma^k
     gamma: float = checked(0.8, within(0, 1, low_closed=False))
     num_layers: int = checked(1, POSITIVE)  # P-EAGLE / DFlash decoder layers (EAGLE-3's TTT drives one)
+    # the cache's aux layers this head reads (vLLM ids, a subset of cache.aux_layer_ids; None: all of them):
+    # one cache holding the union serves heads of several kinds (e.g. EAGLE-3's 3 layers and DFlash's 5)
+    aux_layer_ids: list[int] | None = None
     # P-EAGLE / DFlash mask slots' token (None: the target's pad, else eos token)
     mask_token_id: int | None = None
     # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
@@ -487,7 +490,7 @@ def check_data(data) -> None:
 # EAGLE-3's normalisation flags; a DFlash head has none of these norms.
 EAGLE3_NORMS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # Head settings an EAGLE-1 head has no use for (it reads no aux states and shares the target's lm_head).
-EAGLE3_ONLY = (*EAGLE3_NORMS, "freeze_lm_head", "aux_noise")
+EAGLE3_ONLY = (*EAGLE3_NORMS, "freeze_lm_head", "aux_noise", "aux_layer_ids")
 
 
 def trained_depths(head) -> int | None:

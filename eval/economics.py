@@ -5,7 +5,8 @@ recommend k per workload.
 With per-position acceptance alpha (i.i.d. model), k drafts and draft cost c (one draft pass over one
 target step): tokens per verify step = (1 - alpha^(k+1)) / (1 - alpha), speedup = that / (k c + 1) for
 chain drafting (EAGLE-3: k passes per round) and that / (c + 1) for parallel drafting (P-EAGLE: one pass
-per round) and for ngram (prompt lookup: no model pass; c is what verifying k+1 tokens costs).
+per round), block drafting (DFlash: one pass over the bonus token and k mask slots) and ngram (prompt
+lookup: no model pass; c is what verifying k+1 tokens costs).
 
 What is measured here, per run with a head, against the baseline on the same prompts and concurrency:
 - alpha: the i.i.d. rate that solves (1 - alpha^(k+1)) / (1 - alpha) = the measured mean acceptance
@@ -33,8 +34,9 @@ def tokens_per_verify(alpha: float, k: int) -> float:
 
 
 def draft_passes(k: int, drafting: str) -> int:
-    """Draft model passes per verify round: k for chain drafting, one for parallel, none for ngram."""
-    return {"chain": k, "parallel": 1, "ngram": 1}[drafting]
+    """Draft model passes per verify round: k for chain drafting, one for parallel and block drafting (one
+    forward over the round's slots), one (the lookup) for ngram."""
+    return {"chain": k, "parallel": 1, "block": 1, "ngram": 1}[drafting]
 
 
 def predicted_speedup(alpha: float, k: int, draft_cost: float, drafting: str = "chain") -> float:

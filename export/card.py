@@ -141,11 +141,14 @@ def model_card(
     speculative = speculative_config(kind, export_dir, num_speculative_tokens)
     target_path = Path(target["path"]).expanduser()
     target_path = str(target_path.resolve()) if target_path.exists() else target["path"]  # else a hub name
-    name, parallel = head_kind(kind).title, head_kind(kind).drafting == "parallel"
+    name, mode = head_kind(kind).title, head_kind(kind).drafting
+    block = mode == "block"
     num_layers = c.get("num_hidden_layers", 1)
-    drafting = (
-        "parallel drafting: all k drafts of a round in one forward pass" if parallel else "chain drafting"
-    )
+    drafting = {
+        "parallel": "parallel drafting: all k drafts of a round in one forward pass",
+        "block": f"block drafting: the bonus token and k mask slots in one forward pass; trained blocks of "
+        f"{c.get('block_size')}, so serve k <= {c.get('block_size', 2) - 1}",
+    }.get(mode, "chain drafting")
     lines = [
         f"# {name} draft head for {Path(target['path']).name}",
         "",
@@ -172,7 +175,20 @@ def model_card(
                 ["aux layer ids (vLLM convention)", c.get("aux_layer_ids", "final hidden state")],
                 ["norm_before_residual", c.get("norm_before_residual", "n/a")],
                 ["decoder layers", num_layers],
-                ["mask token id (parallel drafting)", c.get("mask_token_id") if parallel else "n/a"],
+                [
+                    "mask token id (parallel / block drafting)",
+                    "n/a" if c.get("mask_token_id") is None else c["mask_token_id"],
+                ],
+                *(
+                    [
+                        [
+                            "block size, attention in the block",
+                            f"{c['block_size']}, {'causal' if c['causal'] else 'bidirectional'}",
+                        ]
+                    ]
+                    if block
+                    else []
+                ),
             ],
         ),
         "",
@@ -197,8 +213,10 @@ def model_card(
                 ["optimizer steps", training.get("num_steps", "?")],
                 ["processes", training.get("num_processes", "?")],
                 [
-                    "parallel depths" if parallel else "TTT steps",
-                    settings.get("head", {}).get("num_depths" if parallel else "num_ttt_steps", "?"),
+                    {"parallel": "parallel depths", "block": "block size"}.get(mode, "TTT steps"),
+                    settings.get("head", {}).get(
+                        {"parallel": "num_depths", "block": "block_size"}.get(mode, "num_ttt_steps"), "?"
+                    ),
                 ],
                 ["learning rate", settings.get("optim", {}).get("lr", "?")],
                 ["micro-batch per process", settings.get("train", {}).get("batch_size", "?")],

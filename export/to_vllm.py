@@ -22,13 +22,18 @@ speculative config) and `mask_hidden` [1, A*H]; speculators = `speculators_model
 [1, 1, A*H], the shape speculators' model holds (vLLM reads either as `.view(1, -1)`). Both may hold several
 decoder layers; vLLM builds a `hidden_norm` in every layer and loads each, so layers after the first ship an
 unused all-ones one (speculators reports it unexpected, and loads).
-DFlash (block drafting, docs/dflash.md) has one format vLLM reads as it is, the plain one it was released in:
+DFlash (block drafting, docs/dflash.md) in both formats. plain, the one z-lab released:
 `architectures: [DFlashDraftModel]`, a Qwen3 layer config (`model_type: qwen3`, `head_dim`, no attention
 biases, RoPE theta written out: vLLM's DFlash layer defaults it to 1e6 when absent), `draft_vocab_size`,
 `target_hidden_size`, and `dflash_config` with `target_layer_ids` (0-based layer outputs: our vLLM aux ids
 - 1; vLLM has no default for them), `mask_token_id`, `causal` and, for readers, `block_size`. Weights: `fc`,
 `hidden_norm`, `layers.{i}.*` with `self_attn.q_norm`/`k_norm`, `norm`, `lm_head`, `d2t` when pruned; no
-embedding (the target's) and no `mask_hidden` (vLLM asserts on one).
+embedding (the target's) and no `mask_hidden` (vLLM asserts on one). speculators: `speculators_model_type:
+dflash`, the Qwen3 layer under `transformer_layer_config`, `aux_hidden_state_layer_ids` (our aux ids: vLLM
+derives target_layer_ids = id - 1), `mask_token_id`, `block_size`, `target_hidden_size`,
+`sliding_window_non_causal: true` (vLLM reads it as `causal = not it` for EVERY layer: false would serve a
+bidirectional head causally; speculators has no causal full attention, so a causal head is plain-only), no
+top-level `model_type` (vLLM then reads it as a Qwen3 model, not the speculators format), `t2d` beside `d2t`.
 EAGLE-1 is a plain one-layer Llama config (`architectures: [LlamaForCausalLM]`; vLLM's `method: eagle` maps
 it to its EAGLE Llama) with `fc` and `layers.0.*` minus `input_layernorm`, and no `norm` or `lm_head`: any
 of the three is a load error.
@@ -121,6 +126,37 @@ def dflash_config(head_config: dict, target_config, dtype: str) -> dict:
     }
 
 
+def dflash_speculators_config(
+    head_config: dict, target_config, dtype: str, target_path: str, num_speculative_tokens: int
+) -> dict:
+    """config.json of a DFlash head in the speculators format (speculators 0.9 `DFlashSpeculator`)."""
+    c = head_config
+    if c["causal"]:
+        raise ValueError(
+            "format=speculators: the speculators format has no causal DFlash (its full-attention layers are "
+            "always bidirectional); export a head trained with head.causal=true with export.format=plain"
+        )
+    layer = dflash_config(c, target_config, dtype)  # minus what the speculators format holds at its top
+    for key in ("architectures", "draft_vocab_size", "target_hidden_size", "block_size", "dflash_config"):
+        del layer[key]
+    return {
+        "speculators_model_type": "dflash",
+        "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c["draft_vocab_size"],
+        "target_hidden_size": target_config.hidden_size,
+        "block_size": c["block_size"],
+        "aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
+        "mask_token_id": c["mask_token_id"],
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "speculators_config": speculators_section(
+            "dflash", target_config, target_path, num_speculative_tokens
+        ),
+        "torch_dtype": dtype,
+    }
+
+
 def eagle1_config(head_config: dict, target_config, dtype: str) -> dict:
     """config.json of an EAGLE-1 head: a plain one-layer Llama."""
     return {"architectures": ["LlamaForCausalLM"], **llama_layer_config(head_config, target_config, dtype)}
@@ -163,16 +199,24 @@ def eagle3_speculators_config(
         "target_hidden_size": target_config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(head_config["aux_layer_ids"]),
         **norm_flags(head_config),
-        "speculators_config": {
-            "algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": verifier_name(target_path),
-                "architectures": list(target_config.architectures or []),
-            },
-        },
+        "speculators_config": speculators_section(
+            algorithm, target_config, target_path, num_speculative_tokens
+        ),
         "torch_dtype": dtype,
+    }
+
+
+def speculators_section(algorithm: str, target_config, target_path: str, num_speculative_tokens: int) -> dict:
+    """`speculators_config`: the algorithm, greedy proposals of k tokens (vLLM serves that k when the export
+    is given as the model) and the verifier (`verifier_name`)."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
+        "default_proposal_method": "greedy",
+        "verifier": {
+            "name_or_path": verifier_name(target_path),
+            "architectures": list(target_config.architectures or []),
+        },
     }
 
 
@@ -207,7 +251,7 @@ def export_head(
 ) -> Path:
     """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically.
 
-    EAGLE-3 heads go to `fmt` (speculators or plain); DFlash and EAGLE-1 heads have one format, plain.
+    EAGLE-3, P-EAGLE and DFlash heads go to `fmt` (speculators or plain); EAGLE-1 heads have one, plain.
     `head`: the directory's (record, weights) as `read_head` returned them, when the caller has read them.
     `allow_unverified_head`: export a head whose record holds no checksums (export.allow_unverified_head).
     """
@@ -227,12 +271,12 @@ def export_head(
         vocab = load_vocab_map(head_dir / "vocab.safetensors")
         if vocab.d2t is not None:  # only when pruned: vLLM refuses a d2t it does not need
             weights["d2t"] = vocab.d2t.to(torch.int64)
-        if kind == "dflash":
-            config = dflash_config(c, target_config, dtype)
-        elif fmt == "plain":
-            config = eagle3_plain_config(c, target_config, dtype)
+        if fmt == "plain":
+            plain = dflash_config if kind == "dflash" else eagle3_plain_config
+            config = plain(c, target_config, dtype)
         else:
-            config = eagle3_speculators_config(c, target_config, dtype, target_path, num_speculative_tokens)
+            speculators = dflash_speculators_config if kind == "dflash" else eagle3_speculators_config
+            config = speculators(c, target_config, dtype, target_path, num_speculative_tokens)
             if vocab.d2t is not None:  # speculators loads the pair or neither; vLLM skips t2d
                 weights["t2d"] = vocab.t2d.to(torch.bool)
             if "mask_hidden" in weights:  # speculators' PEagleDraftModel holds [1, 1, A*H]
@@ -283,20 +327,8 @@ def read_export_config(export_dir: Path) -> tuple[str, dict]:
     config = json.loads(path.read_text())
     layer = config.get("transformer_layer_config", config)  # speculators nests the layer
     fields = {k: layer[k] for k in LAYER_FIELDS if k in layer}
-    if "dflash_config" in config:
-        dflash = config["dflash_config"]
-        rope = dict(config["rope_parameters"])
-        theta = rope.pop("rope_theta")
-        return "dflash", fields | {
-            "rope_theta": theta,
-            "rope_scaling": None if rope.get("rope_type") == "default" else rope,
-            "draft_vocab_size": config["draft_vocab_size"],
-            "aux_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
-            "num_hidden_layers": config["num_hidden_layers"],
-            "mask_token_id": dflash["mask_token_id"],
-            "block_size": dflash["block_size"],
-            "causal": dflash["causal"],
-        }
+    if "dflash_config" in config or config.get("speculators_model_type") == "dflash":
+        return "dflash", fields | dflash_fields(config, layer)
     if "eagle_aux_hidden_state_layer_ids" not in config:
         return "eagle1", fields
     fields |= {
@@ -308,6 +340,26 @@ def read_export_config(export_dir: Path) -> tuple[str, dict]:
     if config.get("mask_token_id") is None:
         return "eagle3", fields
     return "peagle", {**fields, "mask_token_id": config["mask_token_id"]}
+
+
+def dflash_fields(config: dict, layer: dict) -> dict:
+    """A DFlash config.json's head fields beyond the layer sizes, as vLLM 0.32 serves either format."""
+    rope = dict(layer["rope_parameters"])
+    fields = {
+        "rope_theta": rope.pop("rope_theta"),
+        "rope_scaling": None if rope.get("rope_type") == "default" else rope,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "num_hidden_layers": layer["num_hidden_layers"],
+        "mask_token_id": config.get("mask_token_id"),
+        "block_size": config["block_size"],
+    }
+    if "speculators_model_type" in config:  # vLLM: target_layer_ids = id - 1, causal = not the flag
+        ids, causal = config["aux_hidden_state_layer_ids"], not config.get("sliding_window_non_causal", True)
+    else:
+        dflash = config["dflash_config"]
+        ids, causal = [i + 1 for i in dflash["target_layer_ids"]], dflash.get("causal", False)
+        fields["mask_token_id"] = dflash.get("mask_token_id", fields["mask_token_id"])
+    return fields | {"aux_layer_ids": ids, "causal": causal}
 
 
 def served_norm_flags(config: dict) -> dict:

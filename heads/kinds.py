@@ -55,7 +55,9 @@ KINDS = {
         ("speculators", "plain"),
         "peagle",
     ),
-    "dflash": HeadKind("dflash", "DFlash", DFlashConfig, DFlashDraft, "dflash", "block", ("plain",), None),
+    "dflash": HeadKind(
+        "dflash", "DFlash", DFlashConfig, DFlashDraft, "dflash", "block", ("speculators", "plain"), "dflash"
+    ),
     "eagle1": HeadKind("eagle1", "EAGLE-1", Eagle1Config, Eagle1Draft, "eagle", "chain", ("plain",), None),
 }
 

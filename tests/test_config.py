@@ -197,7 +197,8 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
         ("export.num_speculative_tokens=0", "export.num_speculative_tokens=0: must be > 0"),
         ("regen.max_new_tokens=0", "regen.max_new_tokens=0: must be > 0; change regen.max_new_tokens"),
         ("train.resume=maybe", "train.resume=maybe: must be never, always (true) or auto"),
-        ("head.kind=medusa", "head.kind=medusa: must be one of eagle3, peagle, eagle1"),
+        ("head.kind=medusa", "head.kind=medusa: must be one of eagle3, peagle, dflash, eagle1"),
+        ("head.block_size=1", "head.block_size=1: must be >= 2"),
         ("capture.pipeline_parallel_size=2", "capture.pipeline_parallel_size=2: must be 1"),
         ("target.build=llama", "target.build=llama: must be one of smoke, smollm2, smollm2_upgraded or null"),
         ("eval.heads=[{name: a}, {name: a, method: ngram}]", "eval.heads[].name=['a', 'a']: must be unique"),
@@ -241,6 +242,23 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
         (
             ["head.kind=peagle", "export.num_speculative_tokens=2", "eval.heads=[{name: h}]"],
             "eval.heads[0].num_speculative_tokens=[1, 2, 3, 4, 5]: must be <= head.num_depths=3",
+        ),
+        # A DFlash head trained with blocks of 4 (3 mask slots), exported or served with more drafts.
+        (
+            ["head.kind=dflash", "head.block_size=4", "export.num_speculative_tokens=5"],
+            "export.num_speculative_tokens=5: must be <= head.block_size - 1=3",
+        ),
+        (
+            ["head.kind=dflash", "head.block_size=4", "eval.heads=[{name: h}]"],
+            "eval.heads[0].num_speculative_tokens=[1, 2, 3, 4, 5]: must be <= head.block_size - 1=3",
+        ),
+        (
+            ["head.kind=dflash", "head.norm_output=true"],
+            "head.kind=dflash: must be eagle3 or peagle for head.norm_output",
+        ),
+        (
+            ["head.kind=eagle1", "head.aux_layer_ids=[2]"],
+            "head.kind=eagle1: must be eagle3 or peagle for head.aux_layer_ids",
         ),
         (
             ["head.kind=eagle1", "head.fc_norm=true"],

@@ -2,16 +2,22 @@
 forward against the reference decoder's rounds, losslessness, an overfit that learns every block position,
 the default target layers, the export read back, and the config checks."""
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from artifacts.vocab import load_vocab_map
+from export.to_vllm import export_head
 from heads.attention import block_attention
 from heads.dflash import DFlashConfig, DFlashDraft
 from heads.reference_decoder import BlockDraftState, DraftHead, DraftState, speculative_generate
 from target.model import default_aux_layer_ids
+from tests.helpers import DFLASH, smoke_config
 from train.losses import block_forward, block_loss, loss_weights
 
 
@@ -192,3 +198,130 @@ def test_config_refuses_a_block_without_mask_slots_or_mask_token():
         tiny_dflash_config(block_size=1)
     with pytest.raises(ValueError, match="mask_token_id"):
         tiny_dflash_config(mask_token_id=None)
+
+
+# Export: what vLLM reads, read back; refused for another target; served by vLLM at the reference's rate.
+
+
+@pytest.fixture(scope="module")
+def dflash_run(smoke_run, tmp_path_factory):
+    """The smoke cache plus a two-layer DFlash head trained 4 steps (shape and format, not quality)."""
+    from train.main import run as train
+
+    run_dir = tmp_path_factory.mktemp("dflash") / "run"
+    shutil.copytree(smoke_run, run_dir)
+    overrides = ["train.max_steps=4", "train.eval_every=0", "train.num_threads=1", *DFLASH]
+    train(smoke_config(run_dir, *overrides))
+    return run_dir
+
+
+@pytest.mark.parametrize("fmt", ["plain", "speculators"])
+def test_dflash_export_has_exactly_what_vllm_reads(dflash_run, fmt):
+    target_config = smoke_target_config(dflash_run)
+    out = export_head(dflash_run / "draft_head", dflash_run / fmt, target_config, "float32", fmt, "t", 4)
+    config = json.loads((out / "config.json").read_text())
+    layer = config.get("transformer_layer_config", config)
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and not layer["attention_bias"]
+    assert layer["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}  # not vLLM's 1e6
+    assert config["draft_vocab_size"] == 512 and config["target_hidden_size"] == 256
+    if fmt == "plain":
+        # The smoke cache's aux ids [1, 3, 4] are the outputs of layers 0, 2, 3.
+        assert config["architectures"] == ["DFlashDraftModel"]
+        assert config["dflash_config"] == {"target_layer_ids": [0, 2, 3], "mask_token_id": 5, "causal": False,
+                                           "block_size": 5}  # fmt: skip
+    else:  # no top-level model_type (else vLLM reads a Qwen3 model); non-causal stated (vLLM: causal = not it)
+        assert "model_type" not in config and config["speculators_model_type"] == "dflash"
+        assert config["aux_hidden_state_layer_ids"] == [1, 3, 4] and config["mask_token_id"] == 5
+        assert config["sliding_window_non_causal"] is True and config["block_size"] == 5
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    layer = ["input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    layer += [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    wanted = {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t"}
+    wanted |= {f"layers.{i}.{name}.weight" for i in range(2) for name in layer}
+    wanted |= {"t2d"} if fmt == "speculators" else set()  # speculators reads it, vLLM skips it
+    assert set(load_file(str(out / "model.safetensors"))) == wanted  # no embedding, no mask_hidden
+
+
+@pytest.mark.parametrize("fmt", ["plain", "speculators"])
+def test_dflash_export_reads_back_as_the_trained_head(dflash_run, fmt):
+    from export.to_vllm import read_export
+    from export.verify import export_differences
+    from heads.reference_decoder import load_head
+
+    out = export_head(
+        dflash_run / "draft_head", dflash_run / "rt", smoke_target_config(dflash_run), "float32"
+    )
+    assert export_differences(out, dflash_run / "draft_head", "float32") == []
+    target = AutoModelForCausalLM.from_pretrained(dflash_run / "smoke_target", dtype=torch.float32)
+    trained = load_head(dflash_run / "draft_head", target).draft
+    loaded, draft_to_target = read_export(out, target.get_input_embeddings().weight)
+    assert loaded.config == trained.config
+    for name, tensor in trained.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, atol=0, rtol=0)
+    vocab = load_vocab_map(dflash_run / "draft_head" / "vocab.safetensors")
+    assert torch.equal(draft_to_target, vocab.draft_to_target)
+
+
+def test_a_dflash_head_for_another_target_is_refused(dflash_run):
+    other = smoke_target_config(dflash_run)
+    other.hidden_size, other.num_hidden_layers = 512, 3
+    with pytest.raises(ValueError, match=r"another target: hidden_size=256 \(target: 512\).*\[4\]"):
+        export_head(dflash_run / "draft_head", dflash_run / "other", other)
+    assert not (dflash_run / "other").exists()
+
+
+def test_a_dflash_export_for_another_target_is_refused_before_any_server(dflash_run, tmp_path):
+    from eval.main import run as evaluate
+
+    head = export_head(dflash_run / "draft_head", tmp_path / "head", smoke_target_config(dflash_run))
+    config = json.loads((head / "config.json").read_text())
+    config["hidden_size"] = 512
+    (head / "config.json").write_text(json.dumps(config))
+    cfg = smoke_config(dflash_run, f"eval.heads=[{{name:x,path:{head}}}]", f"eval.out_dir={tmp_path / 'out'}")
+    with pytest.raises(ValueError, match=r"trained for another target: hidden_size=512 \(target: 256\)"):
+        evaluate(cfg)
+    assert not (tmp_path / "out" / "logs").exists()
+
+
+def test_vllm_drafts_a_dflash_head_at_the_reference_decoders_rate(regen_run, tmp_path_factory):
+    """Trained on the regenerated smoke cache, exported, then served by vLLM (the CPU build) with k = the
+    block's mask slots: acceptance equals the reference decoder's per position, and the card says how to
+    serve it."""
+    from export.main import run as export
+    from train.main import run as train
+
+    run_dir = tmp_path_factory.mktemp("dflash_regen") / "run"
+    shutil.copytree(regen_run, run_dir)
+    overrides = ["train.eval_every=0", "train.save_every=0", "train.num_threads=1", "train.num_epochs=8"]
+    overrides += [*DFLASH, "export.num_speculative_tokens=4", "export.verify=true"]
+    train(smoke_config(run_dir, *overrides, experiment="smoke_regen"))
+    report = export(smoke_config(run_dir, *overrides, experiment="smoke_regen"))["verification"]
+    served = report["vllm"]
+    assert served["mean_acceptance_length"] >= 1.4 and served["accepted_per_position"][1] > 0
+    assert served["accepted_per_position"] == report["reference"]["accepted_per_position"]
+    assert report["parity"]["passed"] and report["num_identical_outputs"] == report["num_prompts"]
+    card = (run_dir / "export" / "README.md").read_text()
+    assert '"method": "dflash"' in card and "DFlash" in card and "serve k <= 4" in card
+
+
+def smoke_target_config(run_dir):
+    return AutoConfig.from_pretrained(run_dir / "smoke_target")
+
+
+def test_a_head_reads_its_own_layers_of_a_cache_holding_more(smoke_run, tmp_path):
+    """One cache for several kinds: head.aux_layer_ids picks the head's layers among the cache's (and the
+    head's fc is as wide as they are); layers the cache lacks are refused naming the setting."""
+    from train.main import run as train
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_run, run_dir)
+    train(
+        smoke_config(run_dir, "train.max_steps=2", "train.eval_every=0", *DFLASH, "head.aux_layer_ids=[1,4]")
+    )
+    record = json.loads((run_dir / "draft_head" / "draft_config.json").read_text())
+    assert record["config"]["aux_layer_ids"] == [1, 4] and record["cache"]["aux_layer_ids"] == [1, 3, 4]
+    assert load_file(str(run_dir / "draft_head" / "model.safetensors"))["fc.weight"].shape == (256, 2 * 256)
+    with pytest.raises(
+        ValueError, match=r"head.aux_layer_ids=\[1, 2\]: must be a non-empty subset of the cache's"
+    ):
+        train(smoke_config(run_dir, "train.max_steps=2", *DFLASH, "head.aux_layer_ids=[1,2]"))

@@ -24,6 +24,7 @@ speculators = pytest.importorskip("speculators")  # `make setup` installs it (--
 KINDS = {
     "eagle3": (),
     "peagle": ("head.kind=peagle", "head.num_layers=2", "head.mask_token_id=5"),
+    "dflash": ("head.kind=dflash", "head.num_layers=2", "head.block_size=5", "head.mask_token_id=5"),
 }
 
 
@@ -86,11 +87,14 @@ def test_speculators_loads_the_export_with_our_weights(heads, kind, tmp_path, mo
 
     model = speculators.SpeculatorModel.from_pretrained(str(out))
 
-    config_class = {"eagle3": "Eagle3SpeculatorConfig", "peagle": "PEagleSpeculatorConfig"}[kind]
+    config_class = {"eagle3": "Eagle3", "peagle": "PEagle", "dflash": "DFlash"}[kind] + "SpeculatorConfig"
     assert type(model.config).__name__ == config_class
-    assert model.config.eagle_aux_hidden_state_layer_ids == [1, 3, 4]
+    if kind == "dflash":
+        assert model.config.aux_hidden_state_layer_ids == [1, 3, 4] and model.config.block_size == 5
+    else:
+        assert model.config.eagle_aux_hidden_state_layer_ids == [1, 3, 4]
     assert_speculators_holds_our_head(model, run_dir)
-    if kind == "peagle":
+    if kind != "eagle3":
         assert (
             model.config.mask_token_id == 5 and model.config.transformer_layer_config.num_hidden_layers == 2
         )

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import (
+    DFLASH,
     FAST,
     PEAGLE,
     REPO,
@@ -127,9 +128,9 @@ def test_no_held_out_split_means_not_measured_never_zeros(smoke_target_dir, tmp_
     assert "Not measured: the cache has no held-out split" in card and "Offline estimate" not in card
 
 
-@pytest.mark.parametrize("head", [(), PEAGLE], ids=["eagle3", "peagle"])
+@pytest.mark.parametrize("head", [(), PEAGLE, DFLASH], ids=["eagle3", "peagle", "dflash"])
 def test_resume_reproduces_the_losses_of_an_uninterrupted_run(train_run, head):
-    """P-EAGLE with COD draws random anchors: the resumed run must draw the same ones."""
+    """P-EAGLE with COD and DFlash draw random anchors: the resumed run must draw the same ones."""
     run(train_config(train_run, *head))
     uninterrupted = step_losses(train_run)
     # A crash after step 6: only the step-4 checkpoint survives, and the log has steps up to 6.
@@ -167,7 +168,7 @@ def test_resume_with_other_settings_is_refused_naming_each_unless_asked(train_ru
     assert logged == list(range(1, 7))
 
 
-@pytest.mark.parametrize("head", [(), PEAGLE[:2]], ids=["eagle3", "peagle"])
+@pytest.mark.parametrize("head", [(), PEAGLE[:2], DFLASH], ids=["eagle3", "peagle", "dflash"])
 def test_two_process_ddp_equals_one_process_with_the_same_global_batch(
     train_run, tmp_path, subprocess_env, head
 ):

@@ -14,7 +14,16 @@ from safetensors import safe_open
 from artifacts.cache import CacheSplit
 from data_prep.main import run as data_prep
 from target.model import load_model, weights_bytes
-from tests.helpers import FAST, PEAGLE, REPO, assert_same_head, smoke_config, step_losses, train_config
+from tests.helpers import (
+    DFLASH,
+    FAST,
+    PEAGLE,
+    REPO,
+    assert_same_head,
+    smoke_config,
+    step_losses,
+    train_config,
+)
 from train.data import online_states
 from train.main import run as train
 
@@ -66,7 +75,9 @@ def test_a_tokens_only_cache_has_the_same_samples_and_no_states_in_far_fewer_byt
     assert online["bytes_per_token"] < 5
 
 
-@pytest.mark.parametrize("head", [(), PEAGLE, ("head.kind=eagle1",)], ids=["eagle3", "peagle", "eagle1"])
+@pytest.mark.parametrize(
+    "head", [(), PEAGLE, DFLASH, ("head.kind=eagle1",)], ids=["eagle3", "peagle", "dflash", "eagle1"]
+)
 def test_online_training_equals_cached_training(online_run, smoke_run, tmp_path, head):
     cached_dir, online_dir = fresh(smoke_run, tmp_path, "cached"), fresh(online_run, tmp_path, "online")
     cached_eval = train(train_config(cached_dir, *head))

@@ -69,7 +69,7 @@ def setup(cfg, num_batches: int):
     draft = build_draft(cfg, target_config, cache_manifest, vocab)
     embed, lm_head = load_embedding_and_lm_head(cfg.target)
     draft.load_target_embedding(embed.float())
-    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg)
+    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, cache_manifest["aux_layer_ids"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay

@@ -130,7 +130,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.train.init_from:
         load_warm_start(draft, Path(cfg.train.init_from), vocab)
         log.info("warm start from %s", cfg.train.init_from)
-    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg)
+    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, cache_manifest["aux_layer_ids"])
     optimizer = make_optimizer(cfg, model)
     world, accumulation = accelerator.num_processes, cfg.train.gradient_accumulation_steps
     num_steps, steps_per_epoch = count_steps(cfg, train_split, world)

@@ -31,8 +31,16 @@ class DraftWithLoss(torch.nn.Module):
     alike. The losses: train/losses.py.
     """
 
-    def __init__(self, draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg):
+    def __init__(
+        self, draft, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, cfg, cache_layer_ids=None
+    ):
         super().__init__()
+        # The cache's aux states this head reads (head.aux_layer_ids, a subset of the cache's; None: all).
+        read = getattr(draft, "target_layer_ids", None)
+        self.aux_index = (
+            None if not read or cache_layer_ids is None or read == list(cache_layer_ids)
+            else [list(cache_layer_ids).index(i) for i in read]
+        )  # fmt: skip
         self.draft, self.kind, self.head_cfg = draft, cfg.head.kind, cfg.head
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
@@ -40,6 +48,8 @@ class DraftWithLoss(torch.nn.Module):
         self.seed = cfg.seed
 
     def forward(self, batch, denominator=None):
+        if self.aux_index is not None:
+            batch = {**batch, "aux_hidden": batch["aux_hidden"][:, :, self.aux_index]}
         if self.training and self.head_cfg.aux_noise and "aux_hidden" in batch:
             aux = batch["aux_hidden"].float()
             noise = (torch.rand_like(aux) * 2 - 1) * self.head_cfg.aux_noise
@@ -83,16 +93,32 @@ def num_loss_steps(cfg) -> int:
     return depths.get(cfg.head.kind, cfg.head.num_ttt_steps)
 
 
+def head_layer_ids(cfg, cache_manifest) -> list[int]:
+    """The target layers the head reads: `head.aux_layer_ids`, which the cache must hold, or all the cache's
+    (one cache can serve heads of several kinds: it holds the union, each head reads its own)."""
+    cached = list(cache_manifest["aux_layer_ids"])
+    if cfg.head.aux_layer_ids is None:
+        return cached
+    wanted = [int(i) for i in cfg.head.aux_layer_ids]
+    if not wanted or not set(wanted) <= set(cached):
+        raise ValueError(
+            f"head.aux_layer_ids={wanted}: must be a non-empty subset of the cache's aux layers {cached}; "
+            "change head.aux_layer_ids, or rebuild the cache with cache.aux_layer_ids holding them"
+        )
+    return wanted
+
+
 def build_draft(cfg, target_config, cache_manifest, vocab):
     """A freshly initialised head of `head.kind`, sized from the target and the cache."""
     torch.manual_seed(cfg.seed)
     head_kind(cfg.head.kind)  # an unknown kind is refused naming head.kind
+    layer_ids = head_layer_ids(cfg, cache_manifest)
     if cfg.head.kind == "eagle1":  # its settings are checked with the config (artifacts/config.py)
         return Eagle1Draft(Eagle1Config.from_target_config(target_config))
     if cfg.head.kind == "dflash":
         config = DFlashConfig.from_target_config(
             target_config,
-            aux_layer_ids=cache_manifest["aux_layer_ids"],
+            aux_layer_ids=layer_ids,
             draft_vocab_size=vocab.draft_vocab_size,
             num_hidden_layers=cfg.head.num_layers,
             mask_token_id=mask_token_id(cfg, target_config),
@@ -108,7 +134,7 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
         }
     config = Eagle3Config.from_target_config(
         target_config,
-        aux_layer_ids=cache_manifest["aux_layer_ids"],
+        aux_layer_ids=layer_ids,
         draft_vocab_size=vocab.draft_vocab_size,
         **{flag: bool(getattr(cfg.head, flag)) for flag in NORM_FLAGS},
         **parallel,
