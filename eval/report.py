@@ -118,7 +118,7 @@ def economics_section(runs: list[dict]) -> list[str]:
         "## Predicted vs measured speedup",
         "",
         "Predicted = (1 - alpha^(k+1)) / ((1 - alpha)(n c + 1)) with n = k draft passes per round for chain "
-        "drafting, 1 for parallel drafting and ngram; alpha solves (1 - alpha^(k+1)) / (1 - alpha) = the "
+        "drafting, 1 for parallel and block drafting and ngram; alpha solves (1 - alpha^(k+1)) / (1 - alpha) = the "
         "measured mean acceptance length; c from the measured step times (eval/economics.py); gap = "
         "measured - predicted.",
         "",

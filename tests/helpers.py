@@ -78,8 +78,9 @@ def shard_hashes(cache_dir: Path) -> dict[str, str]:
     }
 
 
-def tiny_head_config(**overrides):
-    """An EAGLE-3 head config small enough for explicit-matmul references (GQA: 4 query, 2 kv heads)."""
+def tiny_head_config(config_class=None, **overrides):
+    """A head config (EAGLE-3's, or `config_class`) small enough for explicit-matmul references (GQA: 4
+    query, 2 kv heads)."""
     from heads.eagle3 import Eagle3Config
 
     values = dict(
@@ -94,15 +95,16 @@ def tiny_head_config(**overrides):
         rope_theta=1000.0,
         max_position_embeddings=128,
     )
-    return Eagle3Config(**{**values, **overrides})
+    return (config_class or Eagle3Config)(**{**values, **overrides})
 
 
 def random_draft(config, seed: int = 0):
     """A head with every weight random, norm weights included (ones would hide a missing norm)."""
+    from heads.dflash import DFlashConfig, DFlashDraft
     from heads.eagle3 import Eagle3Draft
 
     torch.manual_seed(seed)
-    model = Eagle3Draft(config)
+    model = (DFlashDraft if isinstance(config, DFlashConfig) else Eagle3Draft)(config)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:  # the norm weights (input_norm and fc_norm.i included)

@@ -14,43 +14,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from artifacts.vocab import load_vocab_map
 from export.to_vllm import export_head
 from heads.attention import block_attention
-from heads.dflash import DFlashConfig, DFlashDraft
+from heads.dflash import DFlashConfig
 from heads.reference_decoder import BlockDraftState, DraftHead, DraftState, speculative_generate
 from target.model import default_aux_layer_ids
-from tests.helpers import DFLASH, smoke_config
+from tests.helpers import DFLASH, random_draft, smoke_config, tiny_head_config
 from train.losses import block_forward, block_loss, loss_weights
 
 
 def tiny_dflash_config(**overrides) -> DFlashConfig:
     values = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=40,
-        draft_vocab_size=40,
-        aux_layer_ids=[1, 2],
-        num_hidden_layers=2,
-        mask_token_id=3,
-        block_size=4,
-        rope_theta=1000.0,
-        max_position_embeddings=128,
+        draft_vocab_size=40, aux_layer_ids=[1, 2], num_hidden_layers=2, mask_token_id=3, block_size=4
     )
-    return DFlashConfig(**{**values, **overrides})
-
-
-def random_dflash(config: DFlashConfig, seed: int = 0) -> DFlashDraft:
-    """Every weight random, the norms' too (ones would hide a missing norm)."""
-    torch.manual_seed(seed)
-    model = DFlashDraft(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-            else:
-                param.normal_(0, 1 / math.sqrt(param.shape[-1]))
-    return model
+    return tiny_head_config(DFlashConfig, **{**values, **overrides})
 
 
 def dense_block_attention(q_BNQD, k_BGQD, v_BGQD, ctx_k_BGSD, ctx_v_BGSD, starts_BM, causal):
@@ -90,7 +65,7 @@ def test_block_attention_equals_a_dense_mask(causal):
 def test_each_block_sees_only_the_context_before_its_anchor():
     """The batched training forward equals each block run alone on the context before it (the decoder's
     cached path): a block reads no later context and no other block."""
-    draft = random_dflash(tiny_dflash_config())
+    draft = random_draft(tiny_dflash_config())
     aux, ids = torch.randn(1, 16, 2, 64), torch.randint(0, 40, (1, 16))
     anchors = torch.tensor([[9, 2, 5, 14]])
     out = block_forward(draft, ids, aux, anchors)
@@ -111,7 +86,7 @@ def target_and_dflash(smoke_target_dir):
     config = DFlashConfig.from_target_config(
         AutoConfig.from_pretrained(smoke_target_dir), [1, 3, 4], 1024, num_hidden_layers=2, mask_token_id=7
     )
-    draft = random_dflash(config).eval().requires_grad_(False)
+    draft = random_draft(config).eval().requires_grad_(False)
     draft.load_target_embedding(target.get_input_embeddings().weight)
     return target, DraftHead(draft, torch.arange(1024))
 
@@ -150,7 +125,7 @@ def test_an_overfit_learns_every_block_position():
     """A fixed batch, every anchor a block: each of the K mask slots reaches full accuracy (the loss
     reaches every slot, whatever its weight)."""
     config = tiny_dflash_config(block_size=5, num_hidden_layers=1)
-    draft = random_dflash(config)
+    draft = random_draft(config)
     torch.manual_seed(0)
     length = 24
     lm_head_VH = torch.randn(40, 64)
@@ -275,7 +250,7 @@ def test_a_dflash_export_for_another_target_is_refused_before_any_server(dflash_
 
     head = export_head(dflash_run / "draft_head", tmp_path / "head", smoke_target_config(dflash_run))
     config = json.loads((head / "config.json").read_text())
-    config["hidden_size"] = 512
+    config["transformer_layer_config"]["hidden_size"] = 512  # the speculators format, the default
     (head / "config.json").write_text(json.dumps(config))
     cfg = smoke_config(dflash_run, f"eval.heads=[{{name:x,path:{head}}}]", f"eval.out_dir={tmp_path / 'out'}")
     with pytest.raises(ValueError, match=r"trained for another target: hidden_size=512 \(target: 256\)"):

@@ -230,6 +230,12 @@ def ttt_loss(
     return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator)
 
 
+def wanted_first(wanted_BT: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """[B, T] positions in one random order per row that puts the wanted ones first (anchor draws)."""
+    noise_BT = torch.rand(wanted_BT.shape, generator=generator, device="cpu").to(wanted_BT.device)
+    return torch.argsort(noise_BT + (~wanted_BT).float(), dim=1)
+
+
 def cod_anchors(
     loss_mask_BT: Tensor, num_depths: int, ratio: float, generator: torch.Generator | None = None
 ) -> list[Tensor | None]:
@@ -240,10 +246,8 @@ def cod_anchors(
         raise ValueError(f"cod_ratio={ratio}: must be in (0, 1]")
     if ratio == 1:
         return [None] * num_depths
-    b, t = loss_mask_BT.shape
     wanted_BT = shift_left(loss_mask_BT.bool(), 2, False)
-    noise_BT = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask_BT.device)
-    order_BT = torch.argsort(noise_BT + (~wanted_BT).float(), dim=1)  # wanted anchors first, shuffled
+    order_BT = wanted_first(wanted_BT, generator)
     n = max(1, int(wanted_BT.sum(1).max()))
     return [None] + [order_BT[:, : max(1, math.ceil(n * ratio**d))] for d in range(1, num_depths)]
 
@@ -303,10 +307,8 @@ def sample_anchors(
         raise ValueError(f"num_anchors={num_anchors}: a block loss needs at least one anchor per sequence")
     wanted_BT = shift_left(loss_mask_BT.bool(), 1, False)
     wanted_BT[:, 0] = False
-    noise_BT = torch.rand(wanted_BT.shape, generator=generator, device="cpu").to(wanted_BT.device)
-    order_BT = torch.argsort(noise_BT + (~wanted_BT).float(), dim=1)  # wanted anchors first, shuffled
     m = max(1, min(num_anchors, int(wanted_BT.sum(1).max())))
-    anchors_BM = order_BT[:, :m]
+    anchors_BM = wanted_first(wanted_BT, generator)[:, :m]
     return anchors_BM, wanted_BT.gather(1, anchors_BM)
 
 
