@@ -1,6 +1,6 @@
 """The head kinds, each named once: `head.kind` in the config, "kind" in draft_config.json, the export and
-the reports all say `eagle3`, `peagle`, `dflash` or `eagle1`. vLLM's own vocabularies (its `method`, the speculators
-`speculators_model_type`) are derived here and nowhere else.
+the reports all say `eagle3`, `peagle`, `dflash` or `eagle1`. vLLM's own vocabularies (its `method`, the
+speculators `speculators_model_type`) are derived here and nowhere else.
 
     kind = head_kind("peagle")
     draft = kind.build(config_fields)       # an Eagle3Draft with a mask token

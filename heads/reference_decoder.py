@@ -149,8 +149,8 @@ class DraftState:
         return drafts
 
     def round(self, ids: list[int], pending: int, features: Tensor, num_draft_tokens: int) -> list[int]:
-        """One round's drafts: read the positions the target verified since the last round (`features`: of
-        the last of `ids` ... beside the next token), then propose from the last of them."""
+        """One round's drafts: read the positions the target verified since the last round (`features`, their
+        target states; each beside the token after it), then propose a chain from the last of them."""
         out_B1H = self.extend((ids + [pending])[self.length + 1 :], features)
         return self.propose(out_B1H, num_draft_tokens)
 
