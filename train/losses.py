@@ -340,7 +340,7 @@ def block_loss(
     input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
     attention_mask_BT = batch.get("attention_mask")
     real_BT = torch.ones_like(loss_mask_BT) if attention_mask_BT is None else attention_mask_BT.bool()
-    b, t = input_ids_BT.shape
+    t = input_ids_BT.shape[1]
     anchors_BM, anchor_real_BM = sample_anchors(loss_mask_BT, num_anchors, generator)
     probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     out_BMJH = block_forward(model, input_ids_BT, batch["aux_hidden"], anchors_BM)

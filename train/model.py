@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from artifacts.config import trained_depths
 from heads.dflash import DFlashConfig, DFlashDraft
 from heads.eagle1 import Eagle1Config, Eagle1Draft
 from heads.eagle3 import NORM_FLAGS, Eagle3Config, Eagle3Draft
@@ -26,7 +27,8 @@ class DraftWithLoss(torch.nn.Module):
 
     EAGLE-3: the TTT loss. P-EAGLE: the parallel-drafting loss, with COD subsampling while training only
     (held-out metrics see every anchor). DFlash: the block loss, its anchors drawn from the global RNG while
-    training (restored on resume) and from a fixed seed for held-out metrics; `head.aux_noise` perturbs the aux states while training only.
+    training (restored on resume) and from a fixed seed for held-out metrics. `head.aux_noise` perturbs the
+    aux states while training only.
     EAGLE-1: feature regression + soft CE, reported as one step (loss_0, acc_0) so the loop treats all
     alike. The losses: train/losses.py.
     """
@@ -89,8 +91,9 @@ class DraftWithLoss(torch.nn.Module):
 def num_loss_steps(cfg) -> int:
     """Drafting depths the objective trains and reports: K for EAGLE-3 and P-EAGLE, a DFlash block's mask
     slots (block_size - 1), one for EAGLE-1."""
-    depths = {"eagle1": 1, "peagle": cfg.head.num_depths, "dflash": cfg.head.block_size - 1}
-    return depths.get(cfg.head.kind, cfg.head.num_ttt_steps)
+    if cfg.head.kind == "eagle1":
+        return 1
+    return trained_depths(cfg.head) or cfg.head.num_ttt_steps
 
 
 def head_layer_ids(cfg, cache_manifest) -> list[int]:
