@@ -362,6 +362,9 @@ class PipelineConfig:
 
     run_dir: str = MISSING  # run directory shared by all stages (cache/, ckpt/, head/, report/)
     seed: int = 0  # seed for anything random
+    # how long a rank waits for the others at a collective: ranks finish hours of regeneration or caching
+    # minutes to hours apart, and NCCL's default (10 minutes) would kill the job at the barrier
+    process_group_timeout_s: float = checked(6 * 3600.0, POSITIVE)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     render: RenderConfig = field(default_factory=RenderConfig)

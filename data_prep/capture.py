@@ -23,7 +23,13 @@ from artifacts.cache import read_complete_shard_info, shard_path, write_shard
 from data_prep.regenerate import select_devices
 from data_prep.render import RenderedSample, fit_length
 from data_prep.sources import is_held_out
-from target.capture import CaptureEngine, CaptureLayers, capture_settings, cpu_thread_binding
+from target.capture import (
+    CaptureEngine,
+    CaptureLayers,
+    capture_settings,
+    cpu_thread_binding,
+    final_norm_style,
+)
 from target.model import load_final_norm
 
 log = logging.getLogger(__name__)
@@ -36,11 +42,13 @@ def storage_dir(cache_dir: Path, rank: int) -> Path:
 
 
 def capture_layers(cfg, target_config, aux_layer_ids) -> CaptureLayers:
+    style = final_norm_style(target_config)  # refuses, by model_type, a norm the capture cannot reproduce
     return CaptureLayers(
         aux_layer_ids,
         target_config.num_hidden_layers,
         load_final_norm(cfg.target),
-        float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        float(target_config.rms_norm_eps),
+        style,
     )
 
 

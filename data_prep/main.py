@@ -138,7 +138,7 @@ def check_cache_dir(cache_dir: Path, identity: dict) -> None:
 def run(cfg: DictConfig) -> dict:
     """Build (or finish) the cache in `<run_dir>/cache`; returns its manifest."""
     check_config(cfg)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(cfg.process_group_timeout_s)
     setup_logging(accelerator)
     if cfg.cache.num_threads:
         torch.set_num_threads(cfg.cache.num_threads)

@@ -14,7 +14,9 @@ never builds a mask: a `KVCache` passed to the head's forward decides which keys
     out_BTH = draft(ids_BT, hidden_BTH, positions_BT, cache)   # call is the sequence, each later one a
     out_BTH = draft(next_ids_BT, carried_BTH, positions_BT + 1, cache)  # step at every anchor
 
-Memory is O(T^2 + T*K), never a dense (T x K*T) mask (docs/design.md#training-time-test).
+Memory is O(T*K) kept per call: a plain causal pass through PyTorch's fused kernel, every other call in
+query chunks of bounded scores, checkpointed (`attention`); never a dense (T x K*T) mask, and no [T, S]
+scores kept for backward (docs/design.md#training-time-test).
 
 Shape legend: B batch, T queries, S key positions, M anchors, N query heads, G key/value heads,
 R = N/G queries per key/value head, D head dim, J extra keys per query (earlier steps, or a block's),
@@ -25,6 +27,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+# The most bytes one call keeps of fp32 scores at a time. Above it, queries go in chunks that each fit, every
+# chunk under activation checkpointing: training keeps each chunk's output, never its scores, and backward
+# recomputes one chunk's scores at a time. Below it (tests, the reference decoder, short sequences) one dense
+# pass, as before. A module setting so tests can force the chunked path at tiny shapes.
+SCORE_BUDGET_BYTES = 256 * 2**20
 
 
 def attention(
@@ -43,16 +52,61 @@ def attention(
     tokens after a cache otherwise); `query_positions_BT` places them elsewhere (P-EAGLE's anchors).
     Both score blocks share one softmax. No key-padding mask: batches are right-padded, so a pad key sits
     after every real position and is visible only to pad queries, which get no loss.
+
+    A plain causal pass takes PyTorch's fused kernel (no [T, S] scores at all); any other call goes in query
+    chunks of at most SCORE_BUDGET_BYTES of scores, each checkpointed when it needs a gradient, so memory is
+    O(T*D + budget), not O(T*S) per call (docs/design.md#training-time-test).
     """
+    b, n, t, _ = q_BNTD.shape
+    s = k_BGSD.shape[2]
+    if query_positions_BT is None and extra_k_BGTJD is None and t == s:
+        return causal_attention(q_BNTD, k_BGSD, v_BGSD)
+    if query_positions_BT is None:
+        query_positions_BT = torch.arange(s - t, s, device=q_BNTD.device).expand(b, t)
+    j = 0 if extra_k_BGTJD is None else extra_k_BGTJD.shape[3]
+    chunk = max(1, SCORE_BUDGET_BYTES // (4 * b * n * (s + j)))
+    if chunk >= t:
+        return dense_attention(
+            q_BNTD, k_BGSD, v_BGSD, query_positions_BT, extra_k_BGTJD, extra_v_BGTJD, extra_visible_TJ
+        )
+    keep_graph = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q_BNTD, k_BGSD, v_BGSD, extra_k_BGTJD, extra_v_BGTJD)
+    )
+    outs = []
+    for start in range(0, t, chunk):
+        rows = slice(start, start + chunk)
+        inputs = (
+            q_BNTD[:, :, rows],
+            k_BGSD,
+            v_BGSD,
+            query_positions_BT[:, rows],
+            None if extra_k_BGTJD is None else extra_k_BGTJD[:, :, rows],
+            None if extra_v_BGTJD is None else extra_v_BGTJD[:, :, rows],
+            None if extra_visible_TJ is None else extra_visible_TJ[rows],
+        )
+        if keep_graph:
+            outs.append(checkpoint(dense_attention, *inputs, use_reentrant=False))
+        else:
+            outs.append(dense_attention(*inputs))
+    return torch.cat(outs, dim=2)
+
+
+def dense_attention(
+    q_BNTD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    query_positions_BT: Tensor,
+    extra_k_BGTJD: Tensor | None,
+    extra_v_BGTJD: Tensor | None,
+    extra_visible_TJ: Tensor | None,
+) -> Tensor:
+    """`attention` over all T queries at once: [T, S] scores (and [T, J] for the extra keys), one softmax."""
     b, n, t, d = q_BNTD.shape
     g, s = k_BGSD.shape[1], k_BGSD.shape[2]
     # Query head n reads key/value head n // R (HF's repeat_kv order): a view, no copies of the keys.
     q_BGRTD = q_BNTD.view(b, g, n // g, t, d) * d**-0.5
     scores_BGRTS = torch.einsum("bgrtd,bgsd->bgrts", q_BGRTD, k_BGSD)
-    if query_positions_BT is None:
-        future = torch.ones(t, s, dtype=torch.bool, device=q_BNTD.device).triu(s - t + 1)
-    else:
-        future = (torch.arange(s, device=q_BNTD.device) > query_positions_BT[..., None])[:, None, None]
+    future = (torch.arange(s, device=q_BNTD.device) > query_positions_BT[..., None])[:, None, None]
     scores_BGRTS = scores_BGRTS.masked_fill(future, float("-inf"))
     if extra_k_BGTJD is None:
         probs_BGRTS = torch.softmax(scores_BGRTS.float(), dim=-1).to(q_BNTD.dtype)

@@ -48,6 +48,7 @@ class CaptureLayers:
     num_hidden_layers: int
     final_norm_weight: torch.Tensor  # [H], the target's final RMSNorm (target/model.load_final_norm)
     final_norm_eps: float
+    final_norm_style: str = "llama"  # how the target applies the weight: FINAL_NORM_STYLES[model_type]
 
     @property
     def captured_ids(self) -> list[int]:
@@ -59,10 +60,48 @@ class CaptureLayers:
         ids = self.captured_ids
         aux = states_TNH[:, [ids.index(i) for i in self.aux_layer_ids]]
         pre_norm = states_TNH[:, ids.index(self.num_hidden_layers)].float()
-        # RMSNorm as transformers computes it (Llama, Mistral, Qwen): fp32 statistics, then the weight.
         normed = pre_norm * torch.rsqrt(pre_norm.pow(2).mean(-1, keepdim=True) + self.final_norm_eps)
-        final = self.final_norm_weight.float() * normed.to(states_TNH.dtype).float()
+        if self.final_norm_style == "gemma":  # (1 + w) on the fp32 statistics, then the cast
+            final = normed * (1.0 + self.final_norm_weight.float())
+        else:  # Llama: the normed state cast to the activation dtype first, then the weight
+            final = self.final_norm_weight.float() * normed.to(states_TNH.dtype).float()
         return aux, final.to(states_TNH.dtype)
+
+
+# The final norms the capture path reproduces, by the target's `model_type` (transformers 5.x, read from its
+# modeling files). "llama": LlamaRMSNorm, `w * normed.to(dtype)`; "gemma": `(normed * (1 + w)).to(dtype)`,
+# the weight stored as an offset from one. Any other target (LayerNorms with a bias or a mean - phi, cohere,
+# stablelm, starcoder2, nemotron, olmo -, a norm stored under another name) is refused by name: a wrong
+# final state would make a silently wrong teacher.
+FINAL_NORM_STYLES = {
+    **dict.fromkeys(
+        "llama mistral ministral mistral3 mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_vl qwen3_vl_text phi3 "
+        "smollm3 granite granitemoe deepseek_v2 deepseek_v3 glm glm4 glm4_moe olmoe exaone4 ernie4_5 "
+        "ernie4_5_moe seed_oss apertus hunyuan_v1_dense hunyuan_v1_moe dots1 minimax minimax_m2 llama4_text "
+        "olmo2 olmo3 gpt_oss helium".split(),
+        "llama",
+    ),
+    **dict.fromkeys(
+        "gemma gemma2 gemma3 gemma3_text qwen3_next qwen3_5 qwen3_5_text qwen3_5_moe qwen3_5_moe_text".split(),
+        "gemma",
+    ),
+}
+
+
+def final_norm_style(target_config) -> str:
+    """The target's entry in FINAL_NORM_STYLES, or a ValueError naming its model_type."""
+    model_type = getattr(target_config, "model_type", None)
+    if model_type not in FINAL_NORM_STYLES:
+        raise ValueError(
+            f"target model_type={model_type!r}: capture.engine=vllm recomputes the final state from the last "
+            f"layer's output with the target's final norm, and reproduces only the RMSNorms of "
+            f"{sorted(FINAL_NORM_STYLES)}; use capture.engine=hf for this target"
+        )
+    if getattr(target_config, "rms_norm_eps", None) is None:
+        raise ValueError(
+            f"target model_type={model_type!r}: its config has no rms_norm_eps for the final norm"
+        )
+    return FINAL_NORM_STYLES[model_type]
 
 
 def speculative_config(layers: CaptureLayers) -> dict:

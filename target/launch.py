@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
@@ -11,8 +12,9 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import InitProcessGroupKwargs
 
 
-def make_accelerator(**kwargs) -> Accelerator:
-    """An Accelerator that is really distributed on CPU-only machines too.
+def make_accelerator(timeout_s: float, **kwargs) -> Accelerator:
+    """An Accelerator that is really distributed on CPU-only machines too, whose collectives wait
+    `timeout_s` for the slowest rank (`process_group_timeout_s`).
 
     A plain `Accelerator()` under torchrun on a machine without a GPU silently runs every process alone
     (num_processes == 1); asking for the CPU explicitly gives real DDP over gloo.
@@ -26,11 +28,10 @@ def make_accelerator(**kwargs) -> Accelerator:
     # CPU backend, without which accelerate counts one process per rank under DeepSpeed on CPU.
     wants_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     on_cpu = not torch.cuda.is_available()
+    group = InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))
     if wants_deepspeed and on_cpu:
-        kwargs["kwargs_handlers"] = [
-            *kwargs.get("kwargs_handlers", []),
-            InitProcessGroupKwargs(backend="gloo"),
-        ]
+        group.backend = "gloo"
+    kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), group]
     accelerator = Accelerator(cpu=on_cpu and not wants_deepspeed, **kwargs)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world != accelerator.num_processes:

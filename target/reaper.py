@@ -9,7 +9,7 @@ subshell that exits at once, under `setsid`).
    `<run_dir>/logs/*.processes.json` whose owner is gone names processes to stop, and the leash says so;
 2. starts a reaper, a small process in its own session that watches the stage from outside, and waits
    until it watches. While the stage lives, the reaper adds the stage's descendants to the record
-   `<run_dir>/logs/<name>.processes.json` every `interval` seconds (vLLM's children are reparented to PID 1
+   `<run_dir>/logs/<name>@<host>.processes.json` every `interval` seconds (vLLM's children are reparented to PID 1
    when their parent dies, so they can no longer be found from the tree then - hence the record while it is
    whole). Every process the stage starts also carries the record's token in its environment, which finds
    the ones started and orphaned between two snapshots. Once the stage is gone (a zombie counts as gone: a
@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,6 +103,17 @@ def stop_processes(processes: list[list], grace_s: float = GRACE_S) -> list[int]
     return [process.pid for process in living]
 
 
+def host_name() -> str:
+    """This machine's name: pids and start times mean something only on the host that recorded them."""
+    return socket.gethostname()
+
+
+def record_path(run_dir: Path, name: str) -> Path:
+    """Where a leashed run of `name` on this host keeps its record: one per host, since ranks of several
+    nodes may share a run directory and each must stop only its own host's processes."""
+    return Path(run_dir) / "logs" / f"{name}@{host_name()}.processes.json"
+
+
 def write_record(
     record: Path,
     owner: int,
@@ -114,7 +126,13 @@ def write_record(
     the processes it started."""
     from artifacts.atomic import write_json
 
-    values = {"owner": [owner, owner_start], "token": token, "reaper": reaper, "processes": processes}
+    values = {
+        "host": host_name(),
+        "owner": [owner, owner_start],
+        "token": token,
+        "reaper": reaper,
+        "processes": processes,
+    }
     write_json(record, values)
 
 
@@ -122,6 +140,7 @@ def read_record(record: Path) -> dict | None:
     try:
         values = json.loads(record.read_text())
         values["owner"] = list(values["owner"])
+        values.setdefault("host", host_name())  # a record from before hosts were recorded: this one's
         values.setdefault("token", "")
         values.setdefault("reaper", None)
         values["processes"] = [list(p) for p in values["processes"]]
@@ -159,11 +178,13 @@ def stop_dead_runs(logs: Path) -> dict[str, list[int]]:
     stopped = {}
     for record in sorted(logs.glob("*.processes.json")):
         values = read_record(record)
+        if values is not None and values["host"] != host_name():
+            continue  # another node's (a shared run directory): its pids mean nothing here
         if values is not None and alive(*values["owner"]):
             continue  # a live run (another rank of this stage, say) owns it
         pids = stop_record(record)
         if pids:
-            stopped[record.name.removesuffix(".processes.json")] = pids
+            stopped[record.name.removesuffix(".processes.json").rsplit("@", 1)[0]] = pids
     return stopped
 
 
@@ -215,9 +236,9 @@ def stop_signals_interrupt():
 def leash(run_dir: Path, name: str, interval: float = 0.25, remove: list[Path] = ()):
     """While inside, every process this one starts is stopped if this process dies (see the module doc),
     and the directories `remove` (scratch files of those processes, e.g. captured hidden states) deleted."""
-    logs = Path(run_dir) / "logs"
+    record = record_path(run_dir, name)
+    logs = record.parent
     logs.mkdir(parents=True, exist_ok=True)
-    record = logs / f"{name}.processes.json"
     refuse_live_run(record)
     for earlier, pids in stop_dead_runs(logs).items():
         log.warning("stopped %d processes a dead %s run left running: pids %s", len(pids), earlier, pids)

@@ -98,7 +98,7 @@ def kill_at_every_step(pristine: Path, work: Path, save, seen, allowed: list, ne
 def accelerator():
     from target.launch import make_accelerator
 
-    return make_accelerator()
+    return make_accelerator(60.0)
 
 
 @pytest.mark.parametrize("same_step", [False, True], ids=["next_step", "same_step_again"])

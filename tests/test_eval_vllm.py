@@ -17,6 +17,7 @@ from eval.economics import tokens_per_verify
 from eval.main import run as evaluate
 from eval.server import ServerError, VllmServer
 from export.main import run as export
+from target.reaper import record_path
 from tests.helpers import REPO, smoke_config
 
 pytest.importorskip("vllm")
@@ -299,7 +300,7 @@ def test_sigkill_of_eval_leaves_no_server_engine_or_worker(eval_run, tmp_path, s
         "eval.workloads=[{name:chat,source:chat,num_prompts:10,max_tokens:512}]",
     ]  # fmt: skip
     # The server and its engine core at least.
-    sigkill_leaves_nothing(command, eval_run / "logs" / "eval.processes.json", 2, subprocess_env)
+    sigkill_leaves_nothing(command, record_path(eval_run, "eval"), 2, subprocess_env)
     assert not server_processes(str(eval_run))
 
 
@@ -308,7 +309,7 @@ def test_sigkill_of_export_verification_leaves_no_engine(eval_run, tmp_path, sub
         sys.executable, str(REPO / "export/main.py"), "experiment=smoke_regen", f"run_dir={eval_run}",
         f"export.out_dir={tmp_path / 'export'}", "export.verify=true",
     ]  # fmt: skip
-    sigkill_leaves_nothing(command, eval_run / "logs" / "export.processes.json", 1, subprocess_env)
+    sigkill_leaves_nothing(command, record_path(eval_run, "export"), 1, subprocess_env)
 
 
 def test_the_serve_command_of_the_model_card_runs_as_printed(eval_run, tmp_path):

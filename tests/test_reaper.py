@@ -12,7 +12,17 @@ import time
 
 import pytest
 
-from target.reaper import alive, descendants, leash, refuse_live_run, start_time, write_record
+import target.reaper
+from target.reaper import (
+    alive,
+    descendants,
+    leash,
+    record_path,
+    refuse_live_run,
+    start_time,
+    stop_dead_runs,
+    write_record,
+)
 from tests.helpers import REPO
 
 # An owner that starts a process tree under a leash - a child in its own session (as eval's vLLM server),
@@ -57,7 +67,7 @@ def start_owner(run_dir, env, interval=0.1, child="group", launch=(), delay=0.0)
     )
     pids = [int(p) for p in owner.stdout.readline().split()]
     tree = [[pid, start_time(pid)] for pid in pids]
-    return owner, tree, run_dir / "logs" / "stage.processes.json"
+    return owner, tree, record_path(run_dir, "stage")
 
 
 def recorded(record, tree) -> bool:
@@ -87,7 +97,7 @@ def test_a_detached_owner_killed_from_outside_leaves_nothing(tmp_path, subproces
     out = tmp_path / "out"
     assert wait_until(lambda: out.exists() and out.read_text().endswith("\n"), 30)
     tree = [[pid, start_time(pid)] for pid in map(int, out.read_text().split())]
-    record = tmp_path / "logs" / "stage.processes.json"
+    record = record_path(tmp_path, "stage")
     assert wait_until(lambda: recorded(record, tree), 10)
     owner = json.loads(record.read_text())["owner"][0]
     os.kill(owner, signal.SIGKILL)
@@ -132,7 +142,7 @@ def test_a_rerun_of_any_stage_stops_what_an_earlier_killed_run_left(tmp_path, ca
     leftover = subprocess.Popen(["sleep", "300"], start_new_session=True)
     dead_owner = subprocess.Popen(["true"])
     dead_owner.wait()
-    record = tmp_path / "logs" / "eval.processes.json"
+    record = record_path(tmp_path, "eval")
     record.parent.mkdir()
     write_record(record, dead_owner.pid, 12345.0, [[leftover.pid, start_time(leftover.pid)]])
     with (
@@ -145,7 +155,8 @@ def test_a_rerun_of_any_stage_stops_what_an_earlier_killed_run_left(tmp_path, ca
 
 
 def test_a_live_run_in_the_same_directory_is_not_touched(tmp_path):
-    record = tmp_path / "stage.processes.json"
+    record = record_path(tmp_path, "stage")
+    record.parent.mkdir()
     write_record(record, os.getpid(), start_time(os.getpid()), [])
     with pytest.raises(RuntimeError, match=r"another run of this stage \(pid \d+\) is still running"):
         refuse_live_run(record)
@@ -160,8 +171,31 @@ def test_a_normal_exit_stops_what_the_block_started_and_leaves_no_reaper_or_reco
             forgotten = subprocess.Popen(["sleep", "300"], start_new_session=True)
         assert forgotten.poll() is not None  # stopped by the leash on the way out
         assert descendants(os.getpid()) == before
-        assert not (tmp_path / "logs" / "stage.processes.json").exists()
+        assert not (record_path(tmp_path, "stage")).exists()
         assert kept.poll() is None
     finally:
         kept.kill()
         kept.wait()
+
+
+def test_two_hosts_on_one_run_directory_keep_their_own_records(tmp_path, monkeypatch):
+    """A rank on node B must not take node A's live record for a dead run: pids mean nothing across hosts."""
+    dead_owner = subprocess.Popen(["true"])
+    dead_owner.wait()
+    here = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        monkeypatch.setattr(target.reaper, "host_name", lambda: "node-a")
+        record_a = record_path(tmp_path, "data_prep-rank0")
+        record_a.parent.mkdir()
+        # Node A's live rank: its owner's pid does not exist on node B, and its engine's pid may be anyone's.
+        write_record(record_a, dead_owner.pid, 12345.0, [[here.pid, start_time(here.pid)]])
+        monkeypatch.setattr(target.reaper, "host_name", lambda: "node-b")
+        assert record_path(tmp_path, "data_prep-rank0") != record_a  # one record per host, same stage name
+        assert stop_dead_runs(tmp_path / "logs") == {}
+        assert record_a.exists() and here.poll() is None  # node A's record and processes untouched
+        monkeypatch.setattr(target.reaper, "host_name", lambda: "node-a")  # node A's own rerun: its dead run
+        assert stop_dead_runs(tmp_path / "logs") == {"data_prep-rank0": [here.pid]}
+        assert not record_a.exists()
+    finally:
+        here.kill()
+        here.wait()

@@ -58,7 +58,7 @@ MB = 2**20
 
 def setup(cfg, num_batches: int):
     """(accelerator, model, optimizer, batches, batch_ids): the head, its optimizer and fixed micro-batches."""
-    accelerator = make_accelerator(mixed_precision=cfg.train.mixed_precision)
+    accelerator = make_accelerator(cfg.process_group_timeout_s, mixed_precision=cfg.train.mixed_precision)
     cache_dir = Path(cfg.run_dir).resolve() / "cache"
     cache_manifest = read_manifest(cache_dir)
     target_config = load_config(cfg.target)

@@ -30,6 +30,7 @@ K steps, V target vocab, Vd draft vocab, C rows in a chunk, S = T - 1 positions 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,54 @@ def ttt_rollout(model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, num_
     return outs
 
 
+class Teacher(NamedTuple):
+    """The target's draft-vocabulary distribution at the positions some loss needs, compact: fp32 rows
+    [N, Vd] only for those positions (not [B*T, Vd] for every position, prompts and padding included)."""
+
+    probs_NVd: Tensor  # summing to 1 over the draft vocabulary
+    row_BT: Tensor  # int64: the row of position (b, t) in probs_NVd; -1 where it was not computed
+    in_draft_BT: Tensor  # bool: the target's argmax over its FULL vocabulary is a draft token
+
+
 @torch.no_grad()
+def teacher_rows(
+    final_hidden_BTH: Tensor,
+    target_lm_head_VH: Tensor,
+    draft_to_target: Tensor,
+    chunk_size: int,
+    needed_BT: Tensor | None = None,
+) -> Teacher:
+    """The target's next-token distribution at the `needed_BT` positions (all when None), restricted to the
+    draft vocabulary; in_draft is False where not computed.
+
+    Logits are computed in the lm_head's dtype, as the target computes them, then softmaxed in fp32 -
+    `chunk_size` tokens at a time, so fp32 logits over the whole target vocabulary never exist for more
+    than one chunk (the full-vocabulary product is the costliest part of a step: prompts cost nothing).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size}: must be positive")
+    b, t, h = final_hidden_BTH.shape
+    device = final_hidden_BTH.device
+    draft_to_target = draft_to_target.to(device)
+    is_draft_V = torch.zeros(target_lm_head_VH.shape[0], dtype=torch.bool, device=device)
+    is_draft_V[draft_to_target] = True
+    needed_N = (
+        torch.ones(b * t, dtype=torch.bool, device=device) if needed_BT is None else needed_BT.reshape(-1)
+    )
+    positions_N = needed_N.nonzero().squeeze(1)
+    row_N = torch.full((b * t,), -1, dtype=torch.int64, device=device)
+    row_N[positions_N] = torch.arange(positions_N.numel(), device=device)
+    hidden_NH = final_hidden_BTH.reshape(b * t, h)[positions_N]
+    probs_NVd = hidden_NH.new_empty(positions_N.numel(), draft_to_target.numel(), dtype=torch.float32)
+    in_draft_N = torch.zeros(b * t, dtype=torch.bool, device=device)
+    for start in range(0, positions_N.numel(), chunk_size):
+        rows = slice(start, start + chunk_size)
+        logits_CV = (hidden_NH[rows].to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
+        in_draft_N[positions_N[rows]] = is_draft_V[logits_CV.argmax(-1)]
+        probs_NVd[rows] = torch.softmax(logits_CV[:, draft_to_target], dim=-1)
+    return Teacher(probs_NVd, row_N.view(b, t), in_draft_N.view(b, t))
+
+
 def teacher_probs(
     final_hidden_BTH: Tensor,
     target_lm_head_VH: Tensor,
@@ -76,35 +124,12 @@ def teacher_probs(
     chunk_size: int,
     needed_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The target's next-token distribution at every position, restricted to the draft vocabulary.
-
-    Returns (probs_BTVd fp32, summing to 1 over the draft vocabulary; in_draft_BT bool: the target's
-    argmax over its FULL vocabulary is a draft token). Logits are computed in the lm_head's dtype, as the
-    target computes them, then softmaxed in fp32 - `chunk_size` tokens at a time, so fp32 logits over the
-    whole target vocabulary never exist for more than one chunk. With `needed_BT`, only those positions
-    are computed (the full-vocabulary product is the costliest part of a step); the others get zero
-    probabilities and in_draft False.
-    """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size}: must be positive")
-    b, t, h = final_hidden_BTH.shape
-    draft_to_target = draft_to_target.to(final_hidden_BTH.device)
-    is_draft_V = torch.zeros(target_lm_head_VH.shape[0], dtype=torch.bool, device=final_hidden_BTH.device)
-    is_draft_V[draft_to_target] = True
-    rows_M = torch.arange(b * t, device=final_hidden_BTH.device)
-    if needed_BT is not None:
-        rows_M = rows_M[needed_BT.reshape(-1)]
-    hidden_MH = final_hidden_BTH.reshape(b * t, h)[rows_M]
-    probs_NVd = hidden_MH.new_zeros(b * t, draft_to_target.numel(), dtype=torch.float32)
-    in_draft_N = torch.zeros(b * t, dtype=torch.bool, device=hidden_MH.device)
-    for start in range(0, rows_M.numel(), chunk_size):
-        chunk_C = rows_M[start : start + chunk_size]
-        logits_CV = (
-            hidden_MH[start : start + chunk_size].to(target_lm_head_VH.dtype) @ target_lm_head_VH.T
-        ).float()
-        in_draft_N[chunk_C] = is_draft_V[logits_CV.argmax(-1)]
-        probs_NVd[chunk_C] = torch.softmax(logits_CV[:, draft_to_target], dim=-1)
-    return probs_NVd.view(b, t, -1), in_draft_N.view(b, t)
+    """`teacher_rows` laid out at every position: (probs_BTVd fp32, zero where not computed; in_draft_BT)."""
+    teacher = teacher_rows(final_hidden_BTH, target_lm_head_VH, draft_to_target, chunk_size, needed_BT)
+    b, t = teacher.row_BT.shape
+    probs_BTVd = teacher.probs_NVd.new_zeros(b, t, teacher.probs_NVd.shape[1])
+    probs_BTVd[teacher.row_BT >= 0] = teacher.probs_NVd
+    return probs_BTVd, teacher.in_draft_BT
 
 
 def step_valid_mask(
@@ -140,12 +165,51 @@ def step_loss(
     return loss, correct_BT, num_valid
 
 
+# The most bytes of fp32 draft logits one loss keeps at a time. Above it, rows go in chunks that each fit,
+# every chunk under activation checkpointing: training keeps no [M, Vd] logits, log-probabilities or teacher
+# rows per drafting step (at K=7 and 8k answer tokens they would take ~18 GB), and backward recomputes one
+# chunk's lm_head at a time. A module setting so tests can force the chunked path at tiny shapes.
+LOGIT_BUDGET_BYTES = 256 * 2**20
+
+
+def soft_ce_rows(model, out_CH: Tensor, probs_NVd: Tensor, rows_C: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum of soft cross-entropies, correct_C) of the draft's logits at these outputs against the teacher
+    rows `rows_C` of `probs_NVd`."""
+    logits_CVd = model.logits(out_CH)
+    teacher_CVd = probs_NVd[rows_C]
+    ce_sum = -(teacher_CVd * torch.log_softmax(logits_CVd.float(), dim=-1)).sum()
+    return ce_sum, logits_CVd.argmax(-1) == teacher_CVd.argmax(-1)
+
+
+def draft_ce(
+    model, out_MH: Tensor, teacher: Teacher, rows_M: Tensor, denominator: Tensor | float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`step_loss` of the draft's logits at M valid outputs against the teacher rows `rows_M`: (loss,
+    correct_M, num_valid), the logits computed LOGIT_BUDGET_BYTES at a time (see there)."""
+    m, vd = rows_M.numel(), teacher.probs_NVd.shape[1]
+    num_valid = torch.tensor(m, device=out_MH.device)
+    chunk = max(1, LOGIT_BUDGET_BYTES // (4 * vd))
+    keep_graph = torch.is_grad_enabled() and out_MH.requires_grad and m > chunk
+    ce_sum = out_MH.new_zeros((), dtype=torch.float32)
+    correct = []
+    for start in range(0, max(m, 1), chunk):
+        rows = slice(start, start + chunk)
+        inputs = (model, out_MH[rows], teacher.probs_NVd, rows_M[rows])
+        chunk_ce, chunk_correct = (
+            checkpoint(soft_ce_rows, *inputs, use_reentrant=False) if keep_graph else soft_ce_rows(*inputs)
+        )
+        ce_sum = ce_sum + chunk_ce
+        correct.append(chunk_correct)
+    if denominator is None:
+        denominator = num_valid.clamp(min=1)
+    return ce_sum / denominator, torch.cat(correct), num_valid
+
+
 def depth_losses(
     model: Eagle3Draft,
     outs: list[Tensor],
     batch: dict[str, Tensor],
-    probs_BTVd: Tensor,
-    in_draft_BT: Tensor,
+    teacher: Teacher,
     gamma: float,
     denominator: Tensor | float | None = None,
     anchors: list[Tensor | None] | None = None,
@@ -158,7 +222,7 @@ def depth_losses(
     if not gamma > 0:
         raise ValueError(f"gamma={gamma}: the weight of draft position k's loss (gamma^k) must be positive")
     input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
-    attention_mask_BT = batch.get("attention_mask")
+    attention_mask_BT, in_draft_BT = batch.get("attention_mask"), teacher.in_draft_BT
     total = torch.zeros((), device=input_ids_BT.device)
     metrics: dict[str, torch.Tensor] = {}
     correct, eligible = [], []
@@ -176,16 +240,12 @@ def depth_losses(
             batch_M, row_M = valid_BT.gather(1, index_BM).nonzero(as_tuple=True)
             pos_M = index_BM[batch_M, row_M]
         # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
-        # (answer tokens; never where t+2+k runs past the end), gathered as [1, M, ...]: prompt positions
-        # cost no lm_head work.
-        loss, correct_1M, num_valid = step_loss(
-            model.logits(out_BMH[batch_M, row_M])[None],
-            probs_BTVd[batch_M, pos_M + 1 + step][None],
-            torch.ones(1, batch_M.numel(), dtype=torch.bool, device=valid_BT.device),
-            denominator,
+        # (answer tokens; never where t+2+k runs past the end): prompt positions cost no lm_head work.
+        loss, correct_M, num_valid = draft_ce(
+            model, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step], denominator
         )
         correct_BT = torch.zeros_like(valid_BT)
-        correct_BT[batch_M, pos_M] = correct_1M[0]
+        correct_BT[batch_M, pos_M] = correct_M
         total = total + gamma**step * loss
         metrics[f"loss_{step}"] = loss.detach()
         metrics[f"acc_{step}"] = correct_BT.sum() / num_valid.clamp(min=1)
@@ -198,11 +258,13 @@ def depth_losses(
     return total, metrics
 
 
-def batch_teacher(batch: dict[str, Tensor], target_lm_head: Tensor, draft_to_target: Tensor, chunk_size: int):
-    """(probs_BTVd, in_draft_BT) at the positions some depth needs: x_{t+1} an answer token."""
+def batch_teacher(
+    batch: dict[str, Tensor], target_lm_head: Tensor, draft_to_target: Tensor, chunk_size: int
+) -> Teacher:
+    """The teacher at the positions some depth needs: x_{t+1} an answer token."""
     # The teacher at j serves a loss only where x_{j+1} is an answer token: prompts cost no teacher work.
     needed_BT = shift_left(batch["loss_mask"].bool(), 1, False)
-    return teacher_probs(batch["final_hidden"], target_lm_head, draft_to_target, chunk_size, needed_BT)
+    return teacher_rows(batch["final_hidden"], target_lm_head, draft_to_target, chunk_size, needed_BT)
 
 
 def ttt_loss(
@@ -225,9 +287,9 @@ def ttt_loss(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
-    probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
-    return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator)
+    return depth_losses(model, outs, batch, teacher, gamma, denominator)
 
 
 def wanted_first(wanted_BT: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -291,9 +353,9 @@ def parallel_loss(
     if not model.config.parallel_drafting:
         raise ValueError("parallel_loss needs a head with a mask_token_id (head.kind=peagle)")
     anchors = cod_anchors(batch["loss_mask"], num_depths, cod_ratio, generator)
-    probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
-    return depth_losses(model, outs, batch, probs_BTVd, in_draft_BT, gamma, denominator, anchors)
+    return depth_losses(model, outs, batch, teacher, gamma, denominator, anchors)
 
 
 def sample_anchors(
@@ -342,7 +404,7 @@ def block_loss(
     real_BT = torch.ones_like(loss_mask_BT) if attention_mask_BT is None else attention_mask_BT.bool()
     t = input_ids_BT.shape[1]
     anchors_BM, anchor_real_BM = sample_anchors(loss_mask_BT, num_anchors, generator)
-    probs_BTVd, in_draft_BT = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     out_BMJH = block_forward(model, input_ids_BT, batch["aux_hidden"], anchors_BM)
     total = torch.zeros((), device=input_ids_BT.device)
     metrics: dict[str, Tensor] = {}
@@ -354,16 +416,17 @@ def block_loss(
         position_BM = position_BM.clamp(max=t - 1)
         answer_BM = loss_mask_BT.gather(1, position_BM) & real_BT.gather(1, position_BM) & inside_BM
         eligible_BM = answer_BM & anchor_real_BM
-        valid_BM = eligible_BM & in_draft_BT.gather(1, position_BM - 1)
+        valid_BM = eligible_BM & teacher.in_draft_BT.gather(1, position_BM - 1)
         batch_R, row_R = valid_BM.nonzero(as_tuple=True)
-        loss, correct_1R, num_valid = step_loss(
-            model.logits(out_BMJH[batch_R, row_R, k + 1])[None],
-            probs_BTVd[batch_R, position_BM[batch_R, row_R] - 1][None],
-            torch.ones(1, batch_R.numel(), dtype=torch.bool, device=valid_BM.device),
+        loss, correct_R, num_valid = draft_ce(
+            model,
+            out_BMJH[batch_R, row_R, k + 1],
+            teacher,
+            teacher.row_BT[batch_R, position_BM[batch_R, row_R] - 1],
             denominator,
         )
         correct_BM = torch.zeros_like(valid_BM)
-        correct_BM[batch_R, row_R] = correct_1R[0]
+        correct_BM[batch_R, row_R] = correct_R
         total = total + weights[k] * loss
         metrics[f"loss_{k}"] = loss.detach()
         metrics[f"acc_{k}"] = correct_BM.sum() / num_valid.clamp(min=1)

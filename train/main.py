@@ -99,6 +99,7 @@ def run(cfg: DictConfig) -> dict:
     """Train the head; returns the final held-out metrics."""
     check_config(cfg)
     accelerator = make_accelerator(
+        cfg.process_group_timeout_s,
         # The target's lm_head is a buffer, identical on every rank: DDP need not re-send it each step.
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         mixed_precision=cfg.train.mixed_precision,
