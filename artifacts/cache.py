@@ -43,8 +43,10 @@ SHARD_FORMAT = "eagle-hidden-cache-v1"
 HIDDEN_DTYPE = torch.bfloat16
 
 
-def shard_path(split_dir: Path, index: int) -> Path:
-    return split_dir / f"shard-{index:05d}.safetensors"
+def shard_path(split_dir: Path, index: int, part: int | None = None) -> Path:
+    """Shard `index` of a split; `part` numbers the shards of one regeneration chunk (one-pass capture)."""
+    suffix = "" if part is None else f"-{part:03d}"
+    return split_dir / f"shard-{index:05d}{suffix}.safetensors"
 
 
 def sidecar_path(shard: Path) -> Path:
@@ -87,6 +89,14 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
         "num_loss_tokens": int(loss_mask.sum()),
         "num_bytes": len(data),
     }
+    free = shutil.disk_usage(path.parent).free
+    if len(data) > free:  # refused before a byte is written; a disk filled by another writer is caught below
+        raise OSError(
+            errno.ENOSPC,
+            f"{path}: this {len(data) / 1e6:.1f} MB shard does not fit the {free / 1e6:.1f} MB free on its disk. "
+            "Every finished shard is kept: free some space (or move run_dir to a larger disk), then rerun "
+            "to continue",
+        )
     try:
         atomic.write_bytes(path, data)
         atomic.write_json(sidecar_path(path), info)

@@ -163,9 +163,16 @@ class CaptureConfig:
     # refused above 1: vLLM 0.32's capture reads one rank's cache, and no peer captures under pipeline
     # parallelism; capture.tensor_parallel_size takes a target larger than one device
     pipeline_parallel_size: int = checked(1, Check(lambda v: v == 1, "1 (use capture.tensor_parallel_size)"))
-    # hs-connectors backend the states travel through: file | fp8 | mooncake
-    transfer: str = checked("file", one_of("file", "fp8", "mooncake"))
-    transfer_args: dict[str, Any] = field(default_factory=dict)  # that backend's settings (e.g. mooncake's)
+    # hs-connectors backend the states travel through: file | fp8. Not mooncake: hs-connectors 0.9's
+    # Mooncake connector hands back a store key, not the `hidden_states_path` each request is read by, so
+    # every request would fail and its store objects never be freed; nothing here has run one
+    transfer: str = checked(
+        "file",
+        Check(
+            lambda v: v in ("file", "fp8"), "one of file, fp8 (mooncake is not supported: see docs/gpu.md)"
+        ),
+    )
+    transfer_args: dict[str, Any] = field(default_factory=dict)  # that backend's settings
     batch_size: int = checked(256, POSITIVE)  # samples per vLLM call in a prompt-only pass
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra `vllm.LLM(...)` arguments of a
     # prompt-only pass (when regenerating, the engine is regeneration's: regen.vllm_kwargs)
@@ -509,6 +516,13 @@ def check_combinations(cfg: DictConfig) -> None:
         f"<= {'head.num_depths' if cfg.head.kind == 'peagle' else 'head.block_size - 1'}={depths} (a "
         f"{cfg.head.kind} head drafts only the positions it trained"
     )
+    if cfg.head.kind == "peagle" and cfg.head.num_depths == 1:
+        refuse(
+            "head.num_depths",
+            1,
+            ">= 2 for head.kind=peagle (one depth trains no mask slot: its mask state would get no gradient, "
+            "which stops DDP at step 2); for k=1, train head.kind=eagle3 with head.num_ttt_steps=1",
+        )
     if depths is not None and cfg.export.num_speculative_tokens > depths:
         refuse("export.num_speculative_tokens", cfg.export.num_speculative_tokens, f"{limit}; or train more)")
     if cfg.head.kind == "eagle1":

@@ -31,6 +31,7 @@ from target.capture import (
     final_norm_style,
 )
 from target.model import load_final_norm
+from target.vllm import vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +82,36 @@ def capture_engine(
         transfer_overrides=dict(cfg.capture.transfer_args),
         tensor_parallel_size=cfg.capture.tensor_parallel_size,
         seed=cfg.regen.seed if regenerating else None,
+        dtype=cfg.target.dtype,
     )
     return CaptureEngine(settings, layers, storage, cfg.capture.transfer, dict(cfg.capture.transfer_args))
 
 
-def capture_record(cfg, layers: CaptureLayers) -> dict:
-    """What the manifest records about the engine that computed the states."""
+def capture_identity(cfg) -> dict:
+    """What decides the captured states beyond the target and the data, part of the cache's identity: the
+    engine, the dtype it computes in, and for vLLM its version, tensor-parallel size (the all-reduce order)
+    and the transfer (fp8 rounds the states)."""
     if cfg.capture.engine == "hf":
         return {"engine": "hf", "dtype": cfg.target.dtype}
-    import vllm
-
     return {
         "engine": "vllm",
-        "vllm_version": vllm.__version__,
+        "dtype": cfg.target.dtype,
+        "vllm_version": vllm_version(),
         "tensor_parallel_size": cfg.capture.tensor_parallel_size,
-        "pipeline_parallel_size": cfg.capture.pipeline_parallel_size,
         "transfer": cfg.capture.transfer,
-        "captured_layer_ids": layers.captured_ids,
-        "regenerated_in_same_pass": bool(cfg.regen.enabled),
     }
+
+
+def capture_record(cfg, layers: CaptureLayers) -> dict:
+    """What the manifest records about the engine that computed the states."""
+    record = capture_identity(cfg)
+    if cfg.capture.engine == "vllm":
+        record |= {
+            "pipeline_parallel_size": cfg.capture.pipeline_parallel_size,
+            "captured_layer_ids": layers.captured_ids,
+            "regenerated_in_same_pass": bool(cfg.regen.enabled),
+        }
+    return record
 
 
 class CapturedChunks:
@@ -120,39 +132,68 @@ class CapturedChunks:
             self.engine.__exit__(None, None, None)
             self.engine = None
 
-    def write(self, chunk: int, samples: list[dict], counts: Counter) -> dict:
-        """Write chunk `chunk`'s samples (after the max-length policy, counted in `counts`) as one shard per
-        split that has any; returns {split: shard file name}."""
-        kept = {"train": [], "eval": []}
-        for sample in samples:
-            rendered = fit_length(
-                RenderedSample(sample["id"], sample["input_ids"], sample["loss_mask"]),
-                self.cfg.render.max_length,
-                self.cfg.render.overlong,
-                counts,
-            )
-            if rendered is None:
-                continue
-            counts["truncated"] += rendered.truncated
-            n = len(rendered.input_ids)
-            sample = {**sample, "input_ids": rendered.input_ids, "loss_mask": rendered.loss_mask,
-                      "aux_hidden": sample["aux_hidden"][:n], "final_hidden": sample["final_hidden"][:n]}  # fmt: skip
-            held_out = is_held_out(sample["conversation"], self.cfg.data.eval_fraction)
-            kept["eval" if held_out else "train"].append(sample)
-        shards = {}
-        for split, split_samples in kept.items():
-            if split_samples:
-                path = shard_path(self.cache_dir / split, chunk)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_shard(
-                    path, [{k: v for k, v in s.items() if k != "conversation"} for s in split_samples]
-                )
-                shards[split] = path.name
-        return shards
+    def chunk_writer(self, chunk: int) -> ChunkShards:
+        """Where chunk `chunk`'s samples go, as the engine's files are read."""
+        return ChunkShards(self.cfg, self.cache_dir, chunk)
 
     def verify(self, shards: dict | None) -> bool:
         """Whether a chunk's shards are all present and intact."""
         return shards is not None and all(
             read_complete_shard_info(self.cache_dir / split / name) is not None
-            for split, name in shards.items()
+            for split, names in shards.items()
+            for name in shard_names(names)
         )
+
+
+def shard_names(names: str | list[str]) -> list[str]:
+    """A chunk's shards of one split, as its chunk file lists them (a name: one shard, before parts)."""
+    return [names] if isinstance(names, str) else list(names)
+
+
+class ChunkShards:
+    """One regeneration chunk's samples written as they are captured, into shards of at most
+    `cache.max_shard_mb` per split (`shard-<chunk>-<part>`): a chunk holds no more than one shard of states
+    per split in memory, however many conversations it has."""
+
+    def __init__(self, cfg, cache_dir: Path, chunk: int):
+        self.cfg, self.cache_dir, self.chunk = cfg, cache_dir, chunk
+        self.max_bytes = cfg.cache.max_shard_mb * 2**20
+        self.pending = {split: [] for split in ("train", "eval")}
+        self.pending_bytes = dict.fromkeys(self.pending, 0)
+        self.shards = {split: [] for split in self.pending}
+        self.counts = Counter()
+
+    def add(self, sample: dict) -> None:
+        """Take one captured sample (after the max-length policy, counted in `counts`); write its split's
+        shard once it holds `max_shard_mb`."""
+        rendered = fit_length(
+            RenderedSample(sample["id"], sample["input_ids"], sample["loss_mask"]),
+            self.cfg.render.max_length,
+            self.cfg.render.overlong,
+            self.counts,
+        )
+        if rendered is None:
+            return
+        self.counts["truncated"] += rendered.truncated
+        n = len(rendered.input_ids)
+        split = "eval" if is_held_out(sample["conversation"], self.cfg.data.eval_fraction) else "train"
+        sample = {"id": sample["id"], "input_ids": rendered.input_ids, "loss_mask": rendered.loss_mask,
+                  "aux_hidden": sample["aux_hidden"][:n], "final_hidden": sample["final_hidden"][:n]}  # fmt: skip
+        self.pending[split].append(sample)
+        self.pending_bytes[split] += sum(sample[k].nbytes for k in ("aux_hidden", "final_hidden")) + 9 * n
+        if self.pending_bytes[split] >= self.max_bytes:
+            self.flush(split)
+
+    def flush(self, split: str) -> None:
+        if self.pending[split]:
+            path = shard_path(self.cache_dir / split, self.chunk, len(self.shards[split]))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_shard(path, self.pending[split])
+            self.shards[split].append(path.name)
+        self.pending[split], self.pending_bytes[split] = [], 0
+
+    def close(self) -> dict:
+        """Write what is left; {split: [shard file names]} for the splits that have any."""
+        for split in self.pending:
+            self.flush(split)
+        return {split: names for split, names in self.shards.items() if names}

@@ -31,7 +31,15 @@ from artifacts.config import check_config, register_configs
 from artifacts.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity
 from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
-from data_prep.capture import CapturedChunks, capture_engine, capture_layers, capture_record, storage_dir
+from data_prep.capture import (
+    CapturedChunks,
+    capture_engine,
+    capture_identity,
+    capture_layers,
+    capture_record,
+    shard_names,
+    storage_dir,
+)
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
 from data_prep.regenerate import regen_settings, regenerate_rank_share
 from data_prep.render import render_all
@@ -89,8 +97,9 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         "draft_vocab_size": cfg.cache.draft_vocab_size,
         "draft_vocab_fill": cfg.cache.draft_vocab_fill,
         "hidden_states": cfg.cache.hidden_states,  # false: tokens only, for train.features=online
-        # hf | vllm: shards are laid out differently (vllm with regeneration: one per chunk and split)
-        "capture_engine": cfg.capture.engine if cfg.cache.hidden_states else None,
+        # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
+        # regeneration writes each chunk's)
+        "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
     }
 
 
@@ -202,7 +211,8 @@ def run(cfg: DictConfig) -> dict:
     }
     samples, skipped, num_truncated = {}, Counter(loaded.skipped), 0
     if chunk_shards is not None:  # the samples are in the shards already: read back their tokens
-        plans = {split: [chunk[split] for chunk in chunk_shards if split in chunk] for split in SPLITS}
+        plans = {split: [name for chunk in chunk_shards if split in chunk for name in shard_names(chunk[split])]
+                 for split in SPLITS}  # fmt: skip
         samples = {split: [s for name in plans[split] for s in read_shard_tokens(cache_dir / split / name)]
                    for split in SPLITS}  # fmt: skip
         skipped.update({k: regen_record[k] for k in ("too_long", "no_loss_tokens") if k in regen_record})

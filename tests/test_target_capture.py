@@ -56,6 +56,42 @@ def test_vllm_layer_ids_and_the_final_norm_give_the_transformers_states(smoke_la
         torch.testing.assert_close(aux[:, k], hf[layer_id][0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "norm_class"),
+    [("llama", "llama.modeling_llama.LlamaRMSNorm"), ("gemma2", "gemma2.modeling_gemma2.Gemma2RMSNorm")],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_final_state_is_the_targets_own_norm_of_the_last_layer(model_type, norm_class, dtype):
+    """Gemma-family targets scale by (1 + w): the capture path computes each family's norm as it does."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    from target.capture import final_norm_style
+
+    module, name = norm_class.rsplit(".", 1)
+    config = AutoConfig.for_model(model_type, hidden_size=32, rms_norm_eps=1e-6)
+    norm = getattr(importlib.import_module(f"transformers.models.{module}"), name)(32, eps=1e-6)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(0.5 * torch.randn(32))
+    norm.to(dtype)  # as the target holds it; load_final_norm reads the stored weight as fp32
+    layers = CaptureLayers([1], 2, norm.weight.detach().float(), 1e-6, final_norm_style(config))
+    states = (3 * torch.randn(5, 2, 32)).to(dtype)
+    _, final = layers.split(states)
+    with torch.no_grad():
+        torch.testing.assert_close(final, norm(states[:, 1]), rtol=0, atol=0)
+
+
+def test_a_target_whose_final_norm_capture_cannot_reproduce_is_refused_by_name():
+    from transformers import AutoConfig
+
+    from target.capture import final_norm_style
+
+    with pytest.raises(ValueError, match=r"model_type='phi'.*use capture.engine=hf"):
+        final_norm_style(AutoConfig.for_model("phi"))
+
+
 def test_a_file_of_other_tokens_is_refused_naming_the_conversation(smoke_layers):
     layers, _ = smoke_layers
     data = captured_file(layers, [5, 6, 7, 8])
@@ -220,7 +256,8 @@ def one_pass_run(smoke_target_dir, tmp_path_factory):
     return run_dir
 
 
-ONE_PASS = ["capture.engine=vllm", "regen.batch_size=16", "regen.max_new_tokens=32"]
+# 1 MB shards: a chunk of 16 conversations of the smoke target (~2 KB of states a token) takes several.
+ONE_PASS = ["capture.engine=vllm", "regen.batch_size=16", "regen.max_new_tokens=32", "cache.max_shard_mb=1"]
 
 
 def test_one_pass_samples_are_the_regenerated_conversations(one_pass_run):
@@ -230,6 +267,9 @@ def test_one_pass_samples_are_the_regenerated_conversations(one_pass_run):
     manifest = read_manifest(cache)
     assert manifest["capture"]["regenerated_in_same_pass"] is True
     assert len(manifest["regeneration_record"]["files"]) == 4
+    shards = manifest["splits"]["train"]["shards"]
+    assert len(shards) > 4  # more than one shard per chunk, each about max_shard_mb
+    assert max(s["num_bytes"] for s in shards) < 1.2 * 2**20
     tokenizer = AutoTokenizer.from_pretrained(one_pass_run / "smoke_target")
     train = CacheSplit(cache, "train")
     for index in (0, len(train) - 1):
@@ -326,3 +366,45 @@ def test_tensor_parallel_capture_on_cpu_gives_the_tp1_states(vllm_run, tmp_path,
                 assert relative_error(aux[:-1, k], sample["aux_hidden"][:-1, k]) < 2**-8
             assert relative_error(final, sample["final_hidden"]) < 2**-8
     assert not (tmp_path / "states").exists()
+
+
+def test_capture_computes_in_the_targets_dtype_and_its_settings_are_the_caches_identity(tmp_path):
+    from data_prep.capture import capture_identity
+
+    layers = CaptureLayers([1, 3], 6, torch.ones(8), 1e-5)
+    settings = capture_settings("/t", layers, tmp_path, {"dtype": "float32", "max_model_len": 64}, "regen.vllm_kwargs",
+                                on_cpu=True, dtype="float32")  # fmt: skip
+    assert llm_kwargs(settings)["dtype"] == "float32" and settings.extra == {"max_model_len": 64}
+    assert (
+        llm_kwargs(capture_settings("/t", layers, tmp_path, {}, "x", on_cpu=True, dtype="bfloat16"))["dtype"]
+        == "bfloat16"
+    )
+    with pytest.raises(ValueError, match=r"regen.vllm_kwargs.dtype='bfloat16': .* target.dtype='float32'"):
+        capture_settings(
+            "/t", layers, tmp_path, {"dtype": "bfloat16"}, "regen.vllm_kwargs", on_cpu=True, dtype="float32"
+        )
+
+    def identity(*overrides):
+        return capture_identity(smoke_config(tmp_path, "capture.engine=vllm", *overrides))
+
+    base = identity()
+    assert base["dtype"] == "float32" and base["vllm_version"]
+    for override in ("capture.transfer=fp8", "capture.tensor_parallel_size=2", "target.dtype=bfloat16"):
+        assert identity(override) != base, override
+
+
+def test_an_engine_that_fails_to_start_leaves_no_scratch_directory(tmp_path, monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    from target.capture import CaptureEngine
+
+    def no_memory(**kwargs):
+        raise RuntimeError("not enough memory for the KV cache")
+
+    monkeypatch.setattr(vllm, "LLM", no_memory)
+    layers = CaptureLayers([1, 3], 6, torch.ones(8), 1e-5)
+    storage = tmp_path / ".capture-rank0"
+    settings = capture_settings("/t", layers, storage, {}, "capture.vllm_kwargs", on_cpu=True)
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        with CaptureEngine(settings, layers, storage):
+            pass
+    assert not storage.exists()

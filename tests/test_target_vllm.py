@@ -134,7 +134,25 @@ def test_a_setting_the_pipeline_owns_cannot_come_twice(settings, message):
 
 
 def test_serve_argv_skips_what_the_server_has_by_default():
-    settings = EngineSettings("/t", None, {"x": None, "y": False, "z": [1]}, dtype="float32", seed=3)
+    settings = EngineSettings("/t", None, {"x": None, "z": [1]}, dtype="float32", seed=3)
     assert serve_argv(settings) == [*MODULE_ENTRY, "/t", "--z", "[1]", "--dtype", "float32", "--seed", "3"]
     assert "--disable-log-stats" not in serve_argv(settings)  # `vllm serve` keeps its counters on
     assert llm_kwargs(EngineSettings("/t", None, {"max-model-len": 8}))["max_model_len"] == 8
+
+
+def test_false_and_nested_engine_arguments_reach_vllm_as_written():
+    """`enable-prefix-caching: false` must reach `vllm serve` as False (vLLM's default is True), and a
+    nested setting from a Hydra config must reach vllm.LLM as a plain dict, not a DictConfig."""
+    pytest.importorskip("vllm")
+    from omegaconf import OmegaConf
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    server_args = OmegaConf.create({"enable-prefix-caching": False, "compilation_config": {"mode": 0}})
+    argv = serve_argv(served_settings("/t", None, server_args))
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[len(MODULE_ENTRY) :])
+    assert parsed.enable_prefix_caching is False
+    assert EngineArgs.from_cli_args(parsed).compilation_config.mode == 0
+    offline = llm_kwargs(EngineSettings("/t", None, dict(server_args)))
+    assert offline["compilation_config"] == {"mode": 0} and type(offline["compilation_config"]) is dict

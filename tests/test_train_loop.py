@@ -678,3 +678,16 @@ def test_resuming_with_another_head_kind_names_head_kind(train_run):
                 train_run, "train.max_steps=4", "train.resume=true", "train.resume_changed=true", *PEAGLE
             )
         )
+
+
+def test_fp16_overflow_is_the_loss_scalers_to_skip_until_it_is_no_longer_finding_its_scale(tmp_path):
+    from train.metrics import MAX_SKIPPED_FP16_STEPS, check_finite
+
+    inf = float("inf")
+    assert check_finite(1.0, 0.5, 1, tmp_path) is False
+    with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
+        check_finite(1.0, inf, 3, tmp_path)  # bf16 / fp32: no scaler, stop at once
+    assert check_finite(1.0, inf, 3, tmp_path, skipped_in_a_row=0) is True  # fp16: skipped, goes on
+    assert check_finite(inf, inf, 4, tmp_path, skipped_in_a_row=MAX_SKIPPED_FP16_STEPS - 1) is True
+    with pytest.raises(FloatingPointError, match=f"after {MAX_SKIPPED_FP16_STEPS} fp16 overflows in a row"):
+        check_finite(1.0, inf, 5, tmp_path, skipped_in_a_row=MAX_SKIPPED_FP16_STEPS)

@@ -134,7 +134,7 @@ def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | N
         raise ValueError(
             "train.features=online with capture.engine=vllm: online training runs the target on each "
             "training batch, on the training ranks' own devices, between optimizer steps; vLLM 0.32 hands "
-            "hidden states out only per finished request, through files (or Mooncake), from an engine that "
+            "hidden states out only per finished request, through files, from an engine that "
             "holds its devices for itself. Capture the states through vLLM into the cache instead (data_prep "
             "with cache.hidden_states=true capture.engine=vllm, then train.features=cache), or train online "
             "on the transformers target (capture.engine=hf)"

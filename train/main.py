@@ -196,6 +196,7 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
         held_out_eval(0)  # a warm start's starting point: the older head on this data, before any step
     model.train()
     bar = tqdm(total=num_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
+    overflows = 0  # fp16 steps the loss scaler has just skipped in a row
     while step < num_steps:
         plan = plan_epoch(
             train_lengths(cfg, train_split), cfg.train.batch_size, world, accumulation, cfg.seed, epoch
@@ -232,7 +233,9 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             sums = accelerator.reduce(sums, "sum")
             total_loss = weighted_loss(sums, loss_weights(cfg.head, num_ttt))
-            check_finite(total_loss, grad_norm, step + 1, ckpt_dir)
+            scaled = accelerator.scaler is not None  # fp16: an overflow is the scaler's to skip
+            skipped = check_finite(total_loss, grad_norm, step + 1, ckpt_dir, overflows if scaled else None)
+            overflows = overflows + 1 if skipped else 0
             step_lr = setup.scheduler.get_last_lr()[0]  # the rate this optimizer step uses
             setup.optimizer.step()
             setup.scheduler.step()

@@ -54,14 +54,32 @@ def weighted_loss(sums_3K: torch.Tensor, weights: list[float]) -> float:
     return float((sums_3K[0] / sums_3K[1].clamp(min=1) * weights_K).sum())
 
 
-def check_finite(loss: float, grad_norm, step: int, ckpt_dir: Path) -> None:
-    """Stop before a non-finite loss or gradient reaches the weights, naming the checkpoint to go back to."""
-    if not math.isfinite(loss) or not math.isfinite(float(grad_norm)):
-        last = checkpoint_dirs(ckpt_dir)
-        raise FloatingPointError(
-            f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {float(grad_norm)}); "
-            f"the last good checkpoint is {last[-1] if last else 'none (no checkpoint yet)'}"
-        )
+# fp16's loss scaler starts high and halves after each overflow: a few skipped steps are how it finds its
+# scale. This many in a row (a scale 2^20 lower) is no longer that.
+MAX_SKIPPED_FP16_STEPS = 20
+
+
+def check_finite(
+    loss: float, grad_norm, step: int, ckpt_dir: Path, skipped_in_a_row: int | None = None
+) -> bool:
+    """Stop before a non-finite loss or gradient reaches the weights, naming the checkpoint to go back to.
+
+    `skipped_in_a_row`: None without a loss scaler (bf16, fp32); with fp16's, the number of steps just
+    before this one that the scaler skipped. There a non-finite step is its overflow: the scaler skips the
+    update and lowers its scale, so it returns True (skipped) instead of stopping, until too many in a row.
+    """
+    if math.isfinite(loss) and math.isfinite(float(grad_norm)):
+        return False
+    if skipped_in_a_row is not None and skipped_in_a_row < MAX_SKIPPED_FP16_STEPS:
+        log.warning("step %d: fp16 overflow (loss %s, grad norm %s); the loss scaler skips this update",
+                    step, loss, float(grad_norm))  # fmt: skip
+        return True
+    last = checkpoint_dirs(ckpt_dir)
+    why = "" if skipped_in_a_row is None else f" after {skipped_in_a_row} fp16 overflows in a row"
+    raise FloatingPointError(
+        f"non-finite loss or gradient at step {step}{why} (loss {loss}, grad norm {float(grad_norm)}); "
+        f"the last good checkpoint is {last[-1] if last else 'none (no checkpoint yet)'}"
+    )
 
 
 def append_record(path: Path, record: dict) -> None:
