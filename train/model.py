@@ -88,6 +88,18 @@ class DraftWithLoss(torch.nn.Module):
         }
 
 
+def check_rope_buffers(model: torch.nn.Module) -> None:
+    """Refuse a head whose RoPE inverse frequencies are no longer fp32: DeepSpeed before 0.19.2 cast every
+    buffer to bf16 with its bf16 mode, which rounds inv_freq and shifts every rotary angle (more at long
+    positions) - the head would train against positions vLLM never serves."""
+    for name, buffer in model.named_buffers():
+        if name.endswith("inv_freq") and buffer.dtype != torch.float32:
+            raise RuntimeError(
+                f"{name} is {buffer.dtype} after accelerator.prepare, not float32: this DeepSpeed rounds the "
+                "head's buffers to its half precision. Install deepspeed>=0.19.2 (pip install -e .[gpu])"
+            )
+
+
 def num_loss_steps(cfg) -> int:
     """Drafting depths the objective trains and reports: K for EAGLE-3 and P-EAGLE, a DFlash block's mask
     slots (block_size - 1), one for EAGLE-1."""

@@ -1,0 +1,243 @@
+"""One training step of each head kind at a GPU recipe's real shapes, with random weights (nothing
+downloaded): step time, tokens/s and peak memory, against the memory model of train/memory.py.
+
+    python train/benchmark_memory.py --recipe llama31_8b --batch-size 1 --seq-len 512   # this CPU
+    python train/benchmark_memory.py --recipe llama31_8b --steps 3 --online              # a GPU (recipe batch)
+    python train/benchmark_memory.py --tiny                                             # seconds; tests
+
+Each head kind runs in a fresh child process (this script with `--child KIND`): the recipe's composed
+config (conf/experiment/<recipe>.yaml) plus the kind's settings from docs/gpu.md (P-EAGLE: 4 layers, 4
+depths, COD 0.7; DFlash: 5 layers, blocks of 16, 512 anchors, five target layers), the head built by
+train's own `build_draft`, `DraftWithLoss` and AdamW, the target's shapes from TARGETS (its hub
+config.json; `--tiny`: a small Llama shape). A micro-batch of random tokens, a quarter prompt and three
+quarters answer, with random aux and final states (`--online`: a random bf16 target of the recipe's shape
+computes them in the step, as `train.features=online` does). `--steps` full optimizer steps (forward under
+bf16 autocast, backward, clip, AdamW); the step time is the fastest after the first (the only one with
+one step).
+
+Peak memory over what the process held before the first step (weights, frozen target matrices, the batch,
+an online target): on CUDA `torch.cuda.max_memory_allocated`; on CPU the peak resident set (Linux VmHWM,
+reset before the step), allocator slack included. The model's prediction of the same quantity is printed
+beside it, and its prediction for the recipe's own micro-batch (`train.batch_size` x `render.max_length`)
+with DDP on 8 GPUs and online.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, str(REPO))
+
+from artifacts.config import compose  # noqa: E402
+from artifacts.vocab import VocabMap  # noqa: E402
+from target.model import default_aux_layer_ids  # noqa: E402
+from train.benchmark import current_rss, peak_rss, reset_peak_rss  # noqa: E402
+from train.memory import GB, describe, step_memory  # noqa: E402
+
+# The recipes' targets, from their hub config.json files (no download here).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+TARGETS = {
+    "meta-llama/Llama-3.1-8B-Instruct": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE, eos_token_id=128009,
+    ),  # fmt: skip
+    "Qwen/Qwen3-8B": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters={"rope_theta": 1000000.0},
+        eos_token_id=151645,
+    ),  # fmt: skip
+    "meta-llama/Llama-3.3-70B-Instruct": dict(
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE, eos_token_id=128009,
+    ),  # fmt: skip
+}
+TINY = dict(
+    model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, vocab_size=2048, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    eos_token_id=2,
+)  # fmt: skip
+# Each kind as docs/gpu.md runs it on the recipes (P-EAGLE: speculators' settings; DFlash: z-lab's).
+KINDS = {
+    "eagle3": [],
+    "peagle": ["head.kind=peagle", "head.num_layers=4", "head.num_depths=4", "head.cod_ratio=0.7"],
+    "dflash": ["head.kind=dflash", "head.num_layers=5", "head.block_size=16", "head.num_anchors=512",
+               "head.norm_before_fc=false", "head.norm_output=false", "head.norm_before_residual=false"],
+}  # fmt: skip
+ANSWER_FRACTION = 0.75
+
+
+def recipe_config(recipe: str, kind: str, tiny: bool, extra: list[str]):
+    """(cfg, target_config): the recipe composed with the kind's settings, and its target's shapes."""
+    from transformers import AutoConfig
+
+    overrides = [f"experiment={recipe}", "run_dir=/nonexistent", *KINDS[kind], "cache.aux_layer_ids=null"]
+    if tiny:
+        overrides += ["cache.draft_vocab_size=512", "head.num_anchors=64"]
+    cfg = compose("config", [*overrides, *extra])
+    fields = dict(TINY if tiny else TARGETS[cfg.target.path])
+    return cfg, AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def random_batch(cfg, target_config, aux_ids, batch_size: int, seq_len: int, device) -> dict:
+    """Random tokens, a quarter prompt and the rest answer, with random aux and final states (fp32, as
+    `collate` gives them)."""
+    g = torch.Generator().manual_seed(0)
+    b, t, h = batch_size, seq_len, target_config.hidden_size
+    loss_mask = (torch.arange(t) >= round(t * (1 - ANSWER_FRACTION))).expand(b, t)
+    batch = {
+        "input_ids": torch.randint(0, target_config.vocab_size, (b, t), generator=g),
+        "loss_mask": loss_mask.clone(),
+        "attention_mask": torch.ones(b, t, dtype=torch.long),
+        "aux_hidden": torch.randn(b, t, len(aux_ids), h, generator=g),
+        "final_hidden": torch.randn(b, t, h, generator=g),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def memory_now(device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss()
+
+
+def child(args) -> dict:
+    """One kind's setup and steps in this process; the measurement as a dict."""
+    from train.data import OnlineStates
+    from train.model import DraftWithLoss, build_draft
+    from train.optim import make_optimizer
+
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, target_config = recipe_config(args.recipe, args.child, args.tiny, args.override)
+    v, h = target_config.vocab_size, target_config.hidden_size
+    kind = cfg.head.kind
+    aux_ids = default_aux_layer_ids(target_config.num_hidden_layers, kind)
+    vd = min(cfg.cache.draft_vocab_size, v)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[:vd] = True
+    vocab = VocabMap(t2d, torch.zeros(vd, dtype=torch.int64), torch.zeros(v, dtype=torch.int64))
+    draft = build_draft(cfg, target_config, {"aux_layer_ids": aux_ids}, vocab)
+    lm_head = (0.02 * torch.randn(v, h)).to(torch.bfloat16)
+    draft.load_target_embedding(0.02 * torch.randn(v, h))
+    if cfg.head.lm_head_init == "target":  # init_lm_head without reading the target's norm from disk
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(lm_head[vocab.draft_to_target].float())
+    draft.lm_head.weight.requires_grad_(not cfg.head.freeze_lm_head)
+    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, aux_ids).to(device)
+    model.train()
+    optimizer = make_optimizer(cfg, model)
+    batch = random_batch(cfg, target_config, aux_ids, args.batch_size, args.seq_len, device)
+    states = None
+    if args.online:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_config(target_config, dtype=torch.bfloat16).to(device).eval()
+        states = OnlineStates(target, aux_ids)
+        del batch["aux_hidden"], batch["final_hidden"]
+    denominator = batch["loss_mask"].sum().float()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+    before = memory_now(device)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step_batch = dict(batch)
+        if states is not None:
+            step_batch["aux_hidden"], step_batch["final_hidden"] = states(batch["input_ids"], batch["attention_mask"])
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss, _ = model(step_batch, denominator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del step_batch, loss
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+    in_setup = ("head_weights", "target_embedding", "target_lm_head", "batch_states", "online_target")
+    predicted = step_memory(cfg, draft, target_config, args.batch_size, args.seq_len, online=args.online,
+                            answer_fraction=ANSWER_FRACTION)  # fmt: skip
+    recipe_batch = step_memory(cfg, draft, target_config, cfg.train.batch_size, cfg.render.max_length,
+                               world=8, online=cfg.train.features == "online", answer_fraction=1.0)  # fmt: skip
+    step_s = min(times[1:] or times)
+    return {
+        "kind": kind,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "online": args.online,
+        "step_s": round(step_s, 3),
+        "tokens_per_s": round(args.batch_size * args.seq_len / step_s, 1),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "peak_over_setup_gb": round((peak - before) / GB, 3),
+        "predicted_over_setup_gb": round(sum(v for k, v in predicted.items() if k not in in_setup) / GB, 3),
+        "predicted_breakdown": describe({k: v for k, v in predicted.items() if k not in in_setup}),
+        "peak_gb": round(peak / GB, 3),
+        "predicted_gb": round(sum(predicted.values()) / GB, 3),
+        "recipe_batch": f"{cfg.train.batch_size} x {cfg.render.max_length}",
+        "recipe_predicted_gb": round(sum(recipe_batch.values()) / GB, 1),
+        "recipe_breakdown": describe(recipe_batch),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="llama31_8b", help="conf/experiment/<recipe>.yaml")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's train.batch_size")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the recipe's render.max_length")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--online", action="store_true", help="a random bf16 target computes the states")
+    parser.add_argument("--tiny", action="store_true", help="a small Llama shape: seconds, any machine")
+    parser.add_argument("--override", nargs="*", default=[], help="more config overrides, key=value")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--child", choices=list(KINDS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.batch_size is None or args.seq_len is None:
+        cfg, _ = recipe_config(args.recipe, "eagle3", args.tiny, args.override)
+        args.batch_size = args.batch_size or (2 if args.tiny else cfg.train.batch_size)
+        args.seq_len = args.seq_len or (256 if args.tiny else cfg.render.max_length)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    results = []
+    for kind in args.kinds:
+        command = [sys.executable, __file__, "--child", kind, "--recipe", args.recipe, "--steps", str(args.steps),
+                   "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--override", *args.override]  # fmt: skip
+        command += ["--online"] * args.online + ["--tiny"] * args.tiny
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        if done.returncode != 0:
+            raise RuntimeError(f"{kind}: the benchmark's child failed:\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        results.append(result)
+        print(
+            f"{args.recipe} {kind:7s} {result['batch_size']} x {result['seq_len']}"
+            f"{' online' if args.online else ''} on {result['device']}: {result['step_s']:.2f} s/step, "
+            f"{result['tokens_per_s']:.0f} tokens/s, peak over setup {result['peak_over_setup_gb']:.2f} GB "
+            f"(model {result['predicted_over_setup_gb']:.2f}: {result['predicted_breakdown']}); recipe's {result['recipe_batch']} on 8 GPUs: "
+            f"{result['recipe_breakdown']}",
+            flush=True,
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
