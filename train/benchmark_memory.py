@@ -42,27 +42,53 @@ from artifacts.config import compose  # noqa: E402
 from artifacts.vocab import VocabMap  # noqa: E402
 from target.model import default_aux_layer_ids  # noqa: E402
 from train.benchmark import current_rss, peak_rss, reset_peak_rss  # noqa: E402
-from train.memory import GB, describe, step_memory  # noqa: E402
+from train.memory import GB, IN_SETUP, describe, peak_bytes, step_memory  # noqa: E402
 
 # The recipes' targets, from their hub config.json files (no download here).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
 TARGETS = {
     "meta-llama/Llama-3.1-8B-Instruct": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE, eos_token_id=128009,
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=LLAMA3_ROPE,
+        eos_token_id=128009,
     ),  # fmt: skip
     "Qwen/Qwen3-8B": dict(
-        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters={"rope_theta": 1000000.0},
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0},
         eos_token_id=151645,
     ),  # fmt: skip
     "meta-llama/Llama-3.3-70B-Instruct": dict(
-        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE, eos_token_id=128009,
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=LLAMA3_ROPE,
+        eos_token_id=128009,
     ),  # fmt: skip
 }
 TINY = dict(
@@ -74,8 +100,11 @@ TINY = dict(
 KINDS = {
     "eagle3": [],
     "peagle": ["head.kind=peagle", "head.num_layers=4", "head.num_depths=4", "head.cod_ratio=0.7"],
+    # One sample per micro-batch, 8 accumulated (the same global batch): 5 layers over 512 blocks of 16 per
+    # sequence hold ~5.7x EAGLE-3's activations per sample (docs/gpu.md#memory).
     "dflash": ["head.kind=dflash", "head.num_layers=5", "head.block_size=16", "head.num_anchors=512",
-               "head.norm_before_fc=false", "head.norm_output=false", "head.norm_before_residual=false"],
+               "head.norm_before_fc=false", "head.norm_output=false", "head.norm_before_residual=false",
+               "train.batch_size=1", "train.gradient_accumulation_steps=8"],
 }  # fmt: skip
 ANSWER_FRACTION = 0.75
 
@@ -90,6 +119,34 @@ def recipe_config(recipe: str, kind: str, tiny: bool, extra: list[str]):
     cfg = compose("config", [*overrides, *extra])
     fields = dict(TINY if tiny else TARGETS[cfg.target.path])
     return cfg, AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def build_head(cfg, target_config, kind: str, device: str = "cpu"):
+    """(draft, aux_ids, vocab): the head train builds for this recipe and kind, random, on `device`."""
+    from train.model import build_draft
+
+    v = target_config.vocab_size
+    aux_ids = default_aux_layer_ids(target_config.num_hidden_layers, kind)
+    vd = min(cfg.cache.draft_vocab_size, v)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[:vd] = True
+    vocab = VocabMap(t2d, torch.zeros(vd, dtype=torch.int64), torch.zeros(v, dtype=torch.int64))
+    with torch.device(device):
+        draft = build_draft(cfg, target_config, {"aux_layer_ids": aux_ids}, vocab)
+    if cfg.head.kind != "eagle1":
+        draft.lm_head.weight.requires_grad_(not cfg.head.freeze_lm_head)  # as init_lm_head leaves it
+    return draft, aux_ids, vocab
+
+
+def predict(recipe: str, kind: str, batch_size: int | None, seq_len: int | None, world: int, zero_stage: int,
+            online: bool | None, overrides: list[str] = (), answer_fraction: float = 1.0) -> dict:  # fmt: skip
+    """The memory model's breakdown for one kind on a recipe (default: its own micro-batch, its own online
+    setting), from the head built on the meta device: no weights allocated, instant at any size."""
+    cfg, target_config = recipe_config(recipe, kind, False, list(overrides))
+    draft, _, _ = build_head(cfg, target_config, kind, "meta")
+    online = cfg.train.features == "online" if online is None else online
+    return step_memory(cfg, draft, target_config, batch_size or cfg.train.batch_size,
+                       seq_len or cfg.render.max_length, world, zero_stage, online, answer_fraction)  # fmt: skip
 
 
 def random_batch(cfg, target_config, aux_ids, batch_size: int, seq_len: int, device) -> dict:
@@ -115,7 +172,7 @@ def memory_now(device) -> int:
 def child(args) -> dict:
     """One kind's setup and steps in this process; the measurement as a dict."""
     from train.data import OnlineStates
-    from train.model import DraftWithLoss, build_draft
+    from train.model import DraftWithLoss
     from train.optim import make_optimizer
 
     torch.manual_seed(0)
@@ -123,18 +180,14 @@ def child(args) -> dict:
     cfg, target_config = recipe_config(args.recipe, args.child, args.tiny, args.override)
     v, h = target_config.vocab_size, target_config.hidden_size
     kind = cfg.head.kind
-    aux_ids = default_aux_layer_ids(target_config.num_hidden_layers, kind)
-    vd = min(cfg.cache.draft_vocab_size, v)
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[:vd] = True
-    vocab = VocabMap(t2d, torch.zeros(vd, dtype=torch.int64), torch.zeros(v, dtype=torch.int64))
-    draft = build_draft(cfg, target_config, {"aux_layer_ids": aux_ids}, vocab)
+    args.batch_size = args.batch_size or (2 if args.tiny else cfg.train.batch_size)
+    args.seq_len = args.seq_len or (256 if args.tiny else cfg.render.max_length)
+    draft, aux_ids, vocab = build_head(cfg, target_config, kind)
     lm_head = (0.02 * torch.randn(v, h)).to(torch.bfloat16)
     draft.load_target_embedding(0.02 * torch.randn(v, h))
     if cfg.head.lm_head_init == "target":  # init_lm_head without reading the target's norm from disk
         with torch.no_grad():
             draft.lm_head.weight.copy_(lm_head[vocab.draft_to_target].float())
-    draft.lm_head.weight.requires_grad_(not cfg.head.freeze_lm_head)
     model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, aux_ids).to(device)
     model.train()
     optimizer = make_optimizer(cfg, model)
@@ -158,7 +211,9 @@ def child(args) -> dict:
         start = time.perf_counter()
         step_batch = dict(batch)
         if states is not None:
-            step_batch["aux_hidden"], step_batch["final_hidden"] = states(batch["input_ids"], batch["attention_mask"])
+            step_batch["aux_hidden"], step_batch["final_hidden"] = states(
+                batch["input_ids"], batch["attention_mask"]
+            )
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, _ = model(step_batch, denominator)
         loss.backward()
@@ -170,7 +225,6 @@ def child(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
-    in_setup = ("head_weights", "target_embedding", "target_lm_head", "batch_states", "online_target")
     predicted = step_memory(cfg, draft, target_config, args.batch_size, args.seq_len, online=args.online,
                             answer_fraction=ANSWER_FRACTION)  # fmt: skip
     recipe_batch = step_memory(cfg, draft, target_config, cfg.train.batch_size, cfg.render.max_length,
@@ -178,7 +232,9 @@ def child(args) -> dict:
     step_s = min(times[1:] or times)
     return {
         "kind": kind,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "online": args.online,
@@ -186,18 +242,20 @@ def child(args) -> dict:
         "tokens_per_s": round(args.batch_size * args.seq_len / step_s, 1),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "peak_over_setup_gb": round((peak - before) / GB, 3),
-        "predicted_over_setup_gb": round(sum(v for k, v in predicted.items() if k not in in_setup) / GB, 3),
-        "predicted_breakdown": describe({k: v for k, v in predicted.items() if k not in in_setup}),
+        "predicted_over_setup_gb": round(peak_bytes(predicted, in_setup=False) / GB, 3),
+        "predicted_breakdown": describe({k: v for k, v in predicted.items() if k not in IN_SETUP}, False),
         "peak_gb": round(peak / GB, 3),
-        "predicted_gb": round(sum(predicted.values()) / GB, 3),
+        "predicted_gb": round(peak_bytes(predicted) / GB, 3),
         "recipe_batch": f"{cfg.train.batch_size} x {cfg.render.max_length}",
-        "recipe_predicted_gb": round(sum(recipe_batch.values()) / GB, 1),
+        "recipe_predicted_gb": round(peak_bytes(recipe_batch) / GB, 1),
         "recipe_breakdown": describe(recipe_batch),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", default="llama31_8b", help="conf/experiment/<recipe>.yaml")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's train.batch_size")
@@ -207,20 +265,24 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small Llama shape: seconds, any machine")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, key=value")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--predict", action="store_true", help="only the model's breakdown (ZeRO-2, 8 GPUs)")
     parser.add_argument("--child", choices=list(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.batch_size is None or args.seq_len is None:
-        cfg, _ = recipe_config(args.recipe, "eagle3", args.tiny, args.override)
-        args.batch_size = args.batch_size or (2 if args.tiny else cfg.train.batch_size)
-        args.seq_len = args.seq_len or (256 if args.tiny else cfg.render.max_length)
+    if args.predict:
+        for kind in args.kinds:
+            breakdown = predict(args.recipe, kind, args.batch_size, args.seq_len, 8, 2, None, args.override)
+            print(f"{args.recipe} {kind:7s}: {describe(breakdown)}")
+        return
     if args.child:
         print(json.dumps(child(args)))
         return
     results = []
     for kind in args.kinds:
         command = [sys.executable, __file__, "--child", kind, "--recipe", args.recipe, "--steps", str(args.steps),
-                   "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--override", *args.override]  # fmt: skip
+                   "--override", *args.override]  # fmt: skip
         command += ["--online"] * args.online + ["--tiny"] * args.tiny
+        command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
+        command += ["--seq-len", str(args.seq_len)] if args.seq_len else []
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
             raise RuntimeError(f"{kind}: the benchmark's child failed:\n{done.stderr[-3000:]}")

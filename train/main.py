@@ -51,6 +51,7 @@ from train.data import (
     train_lengths,
 )
 from train.losses import loss_weights
+from train.memory import check_step_fits
 from train.metrics import (
     add_step_metrics,
     append_record,
@@ -138,6 +139,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.train.init_from:
         load_warm_start(draft, Path(cfg.train.init_from), vocab)
         log.info("warm start from %s", cfg.train.init_from)
+    check_step_fits(cfg, accelerator, draft, target_config, max(train_split.lengths, default=1))
     model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, cache_manifest["aux_layer_ids"])
     optimizer = make_optimizer(cfg, model)
     world, accumulation = accelerator.num_processes, cfg.train.gradient_accumulation_steps

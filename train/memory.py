@@ -1,8 +1,8 @@
 """How much memory one training step takes per rank, before any step runs: the model train's pre-flight
 check uses and train/benchmark_memory.py checks against measured peaks (docs/gpu.md#memory).
 
-    breakdown = step_memory(cfg, draft, target_config, world=8, zero_stage=2, online=True)
-    total_bytes = sum(breakdown.values())
+    breakdown = step_memory(cfg, draft, target_config, batch_size=4, seq_len=2048, world=8, zero_stage=2)
+    needed = peak_bytes(breakdown)   # what the rank's device must hold at the step's peak
 
 The states are counted exactly from the head as built (its parameters, which of them train, the
 optimizer's two moments, what ZeRO shards); the activations are what autograd keeps for backward per
@@ -34,6 +34,12 @@ PER_POSITION_H = 30
 # DFlash: each layer projects the whole context's keys and values for the blocks to read (fp32 input cast,
 # normed keys, values), per context position and layer.
 PER_CONTEXT_H = 12
+# DFlash, per block query token and layer, beyond that: its q/k norms' fp32 inputs, and the block's J keys
+# and values laid out per query (block_attention hands each query its block's keys as its extra keys).
+PER_DFLASH_QUERY_H = 16
+# Without chunking (scores below SCORE_BUDGET_BYTES), per query and key: the bf16 scores, their fp32
+# softmax and the bf16 probabilities.
+PER_SCORE = 8
 # Without chunking (M x Vd below LOGIT_BUDGET_BYTES), per query token: bf16 logits, their fp32 log-softmax
 # and the teacher rows gathered for them.
 PER_LOGIT = 10
@@ -74,7 +80,12 @@ def step_memory(
     """
     head, h = cfg.head, target_config.hidden_size
     i, heads = target_config.intermediate_size, target_config.num_attention_heads
-    v, vd = target_config.vocab_size, draft.config.draft_vocab_size if hasattr(draft.config, "draft_vocab_size") else target_config.vocab_size
+    v, vd = (
+        target_config.vocab_size,
+        draft.config.draft_vocab_size
+        if hasattr(draft.config, "draft_vocab_size")
+        else target_config.vocab_size,
+    )
     params = [(n, p) for n, p in draft.named_parameters() if "embed_tokens" not in n]
     trainable = sum(p.numel() for _, p in params if p.requires_grad)
     matmul = sum(p.numel() for _, p in params if p.dim() == 2)
@@ -98,21 +109,57 @@ def step_memory(
         "activations": queries * (PER_QUERY_H * h + PER_QUERY_I * i)
         + b * t * (PER_POSITION_H + 2 * num_aux) * h
         + context * PER_CONTEXT_H * h,
-        # The largest attention chunk's scores (fp32, their bf16 source and the probabilities), one logit
-        # chunk (bf16 logits, fp32 log-probabilities, teacher rows, their product and gradient), the
-        # teacher's full-vocabulary chunk: bounded by the budgets whatever the batch.
-        "transients": 5 * min(SCORE_BUDGET_BYTES, 4 * b * heads * t * t) // 2
-        + 9 * min(LOGIT_BUDGET_BYTES, 4 * rows * vd) // 2
-        + min(cfg.train.teacher_chunk_size, rows) * v * 6,
+        # The largest of the bounded transients (they come one after another: the teacher's
+        # full-vocabulary chunk before the forward, an attention chunk's scores and probabilities in it, a
+        # logit chunk with its log-probabilities, teacher rows and gradient in the loss).
+        "transients": max(
+            min(cfg.train.teacher_chunk_size, rows) * v * 6,
+            5 * min(SCORE_BUDGET_BYTES, 4 * b * heads * t * t) // 2,
+            9 * min(LOGIT_BUDGET_BYTES, 4 * rows * vd) // 2,
+        ),
     }
-    per_step_logits = queries * vd * 4
-    if per_step_logits <= LOGIT_BUDGET_BYTES:  # small shapes: the logits are kept, not chunked
-        breakdown["activations"] += queries * PER_LOGIT * vd
+    # Kernel workspaces and scratch (cuBLAS, oneDNN), the allocator's first pages: what a tiny step still
+    # takes.
+    breakdown["workspace"] = 128 * 2**20
+    if head.kind == "dflash":
+        kv = (getattr(target_config, "num_key_value_heads", None) or heads) * draft.config.head_dim
+        breakdown["activations"] += queries * (PER_DFLASH_QUERY_H * h + 2 * 2 * head.block_size * kv)
+    if 4 * b * heads * t * t <= SCORE_BUDGET_BYTES:  # small shapes: attention in one pass keeps its scores
+        # plain causal passes (TTT's step 0, P-EAGLE's depth 0) go through the fused kernel: no scores
+        first = {"eagle3": b * t, "peagle": b * t * head.num_layers}.get(head.kind, 0)
+        keys = t + (head.block_size if head.kind == "dflash" else 0)
+        breakdown["activations"] += PER_SCORE * heads * max(0, queries - first) * keys
+    if rows * vd * 4 <= LOGIT_BUDGET_BYTES:  # small shapes: each drafting step's logits are kept, unchunked
+        outputs = queries // max(
+            1, getattr(head, "num_layers", 1) if head.kind in ("peagle", "dflash") else 1
+        )
+        breakdown["activations"] += outputs * PER_LOGIT * vd
     if online:
         breakdown["online_target"] = target_weights_bytes(target_config, target_bytes)
         # its forward under inference mode: a layer's MLP at a time
         breakdown["online_forward"] = b * t * (2 * i + 4 * h) * target_bytes
     return breakdown
+
+
+# What is held before the first step (the head's weights, the target's matrices, the batch, an online
+# target) and what the step adds.
+IN_SETUP = ("head_weights", "target_embedding", "target_lm_head", "batch_states", "online_target")
+
+
+def peak_bytes(breakdown: dict[str, int], in_setup: bool = True) -> int:
+    """The peak of a step from its components, which do not all live at once: AdamW's moments persist;
+    on top of them, the forward and backward hold the activations, the half-precision weight copies, the
+    teacher, one transient and the gradients as they fill (half of them on average while activations are
+    still held), and the optimizer step the gradients and as much again in AdamW's temporaries.
+    `in_setup=False`: only what the step adds to what was held before it."""
+    get = breakdown.get
+    during = (
+        get("workspace", 0) + get("activations", 0) + get("half_weight_copies", 0) + get("teacher", 0) + get("transients", 0)
+        + get("online_forward", 0) + get("gradients", 0) // 2
+    )  # fmt: skip
+    step = 2 * get("gradients", 0)
+    held = sum(get(k, 0) for k in IN_SETUP) if in_setup else 0
+    return held + get("optimizer", 0) + max(during, step)
 
 
 def target_weights_bytes(target_config, bytes_per_weight: int) -> int:
@@ -126,9 +173,53 @@ def target_weights_bytes(target_config, bytes_per_weight: int) -> int:
     return bytes_per_weight * (v * h * (1 if tied else 2) + target_config.num_hidden_layers * layer + h)
 
 
-def describe(breakdown: dict[str, int]) -> str:
-    """`total GB (component GB, ...)`, largest first."""
+def describe(breakdown: dict[str, int], in_setup: bool = True) -> str:
+    """`peak GB (component GB, ...)`, largest first."""
     parts = sorted(breakdown.items(), key=lambda kv: -kv[1])
-    return f"{sum(breakdown.values()) / GB:.1f} GB (" + ", ".join(
-        f"{name} {value / GB:.1f}" for name, value in parts if value >= 0.05 * GB
-    ) + ")"
+    return (
+        f"{peak_bytes(breakdown, in_setup) / GB:.1f} GB peak ("
+        + ", ".join(f"{name} {value / GB:.1f}" for name, value in parts if value >= 0.05 * GB)
+        + ")"
+    )
+
+
+# A step may take at most this share of a GPU's memory by the model: the CUDA context, NCCL's buffers and
+# the allocator's fragmentation take the rest (the model over-predicts measured peaks by ~10%: docs/gpu.md).
+MAX_GPU_SHARE = 0.9
+
+
+def check_step_fits(cfg, accelerator, draft, target_config, seq_len: int) -> dict[str, int]:
+    """Refuse, before the first step, a micro-batch whose step cannot fit this rank's device, naming the
+    setting to change; on CPU say so when it exceeds the memory available. Returns the estimate."""
+    import logging
+
+    log = logging.getLogger("train")
+    zero_stage = 0
+    if accelerator.state.deepspeed_plugin is not None:
+        zero_stage = int(accelerator.state.deepspeed_plugin.zero_stage)
+    b, accumulation = cfg.train.batch_size, cfg.train.gradient_accumulation_steps
+    estimate = step_memory(cfg, draft, target_config, b, seq_len, accelerator.num_processes, zero_stage,
+                           online=cfg.train.features == "online")  # fmt: skip
+    needed, device = peak_bytes(estimate), torch.device(accelerator.device)
+    log.info("one training step of %d x %d tokens: about %s per rank", b, seq_len, describe(estimate))
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        if needed > MAX_GPU_SHARE * capacity:
+            smaller = (
+                f"train.batch_size={b // 2} train.gradient_accumulation_steps={2 * accumulation} (the same "
+                "global batch)"
+                if b > 1
+                else "a shorter render.max_length, DeepSpeed ZeRO-2/3 (conf/accelerate/), or GPUs with more memory"
+            )
+            raise ValueError(
+                f"train.batch_size={b}: one step of {b} x {seq_len} tokens needs about {describe(estimate)}, "
+                f"more than {MAX_GPU_SHARE:.0%} of the {capacity / GB:.1f} GB of {device} (train/memory.py); "
+                f"set {smaller}"
+            )
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+        if needed > available:
+            log.warning("one step may need more than the %.1f GB of memory available now", available / GB)
+    return estimate

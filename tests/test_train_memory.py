@@ -1,0 +1,99 @@
+"""The memory model (train/memory.py): the recipes fit the GPUs they name by it, train refuses a micro-batch
+that cannot fit before its first step, the model follows what autograd keeps, and the GPU check's CPU mode
+runs (tests/gpu_check.py: the memory benchmark, the smoke pipeline, ZeRO-2 on one rank)."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+from train.benchmark_memory import build_head, predict, recipe_config
+from train.memory import GB, check_step_fits, peak_bytes, step_memory
+
+H100 = 80e9
+
+
+@pytest.mark.parametrize("recipe", ["llama31_8b", "qwen3_8b", "llama33_70b"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
+def test_each_recipe_fits_an_80_gb_gpu_with_a_margin(recipe, kind):
+    """The recipe's own micro-batch (DFlash: one sample, as docs/gpu.md runs it; P-EAGLE on the 70B too, and
+    DFlash there with 256 anchors), ZeRO-2 on 8 GPUs as the recipes launch, online where the recipe is: at
+    most 80% of an 80 GB GPU by the model."""
+    batch = 1 if recipe == "llama33_70b" and kind != "eagle3" else None
+    overrides = ["head.num_anchors=256"] if (recipe, kind) == ("llama33_70b", "dflash") else []
+    breakdown = predict(recipe, kind, batch, None, world=8, zero_stage=2, online=None, overrides=overrides)
+    assert peak_bytes(breakdown) <= 0.8 * H100, {k: round(v / GB, 1) for k, v in breakdown.items()}
+    if recipe != "llama33_70b":
+        assert breakdown.get("online_target", 0) > 15 * GB  # the 8B recipes train online: the target counts
+
+
+def fake_accelerator(device="cuda:0"):
+    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), num_processes=8, device=device)
+
+
+def test_train_refuses_a_micro_batch_that_cannot_fit_naming_the_settings(monkeypatch):
+    cfg, target_config = recipe_config("llama31_8b", "eagle3", False, [])
+    draft, _, _ = build_head(cfg, target_config, "eagle3", "meta")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=H100))
+    check_step_fits(cfg, fake_accelerator(), draft, target_config, 2048)  # the recipe's 4 x 2048
+    cfg.train.batch_size = 16
+    with pytest.raises(ValueError, match=r"train.batch_size=16: one step of 16 x 2048 tokens needs about .* "
+                                         r"set train.batch_size=8 train.gradient_accumulation_steps=4"):  # fmt: skip
+        check_step_fits(cfg, fake_accelerator(), draft, target_config, 2048)
+    check_step_fits(cfg, fake_accelerator("cpu"), draft, target_config, 2048)  # CPU: a warning at most
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
+def test_the_models_activations_follow_what_autograd_keeps(kind):
+    """What autograd saves for backward in one loss forward (every saved storage counted once) against
+    the model's activations and teacher, at a small shape of each kind with the recipe's own settings."""
+    from train.benchmark_memory import ANSWER_FRACTION, random_batch
+    from train.model import DraftWithLoss
+
+    cfg, target_config = recipe_config("llama31_8b", kind, True, ["cache.draft_vocab_size=2048"])
+    draft, aux_ids, vocab = build_head(cfg, target_config, kind)
+    lm_head = torch.randn(target_config.vocab_size, target_config.hidden_size).bfloat16()
+    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, aux_ids)
+    b, t = 1, 512
+    batch = random_batch(cfg, target_config, aux_ids, b, t, "cpu")
+    storages = {}
+
+    def pack(x):
+        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x),
+    ):
+        model(batch, batch["loss_mask"].sum().float())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + lm_head.nbytes
+    saved = (
+        sum(storages.values()) - weights
+    )  # the weights (and their bf16 copies) are states, not activations
+    predicted = step_memory(cfg, draft, target_config, b, t, answer_fraction=ANSWER_FRACTION)
+    modelled = predicted["activations"] + predicted["teacher"] + predicted["half_weight_copies"]
+    # Measured 1.25-1.28 here: the per-token coefficients are set from the 8B shapes, where the model stays
+    # within -4% .. +12% of the measured peaks (docs/gpu.md#memory).
+    assert 0.75 < modelled / (saved + predicted["half_weight_copies"]) < 1.4
+
+
+def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
+    """make gpu-check's own script at tiny shapes: every section passes, and the benchmark reports each
+    head kind's step time, tokens/s and peak memory beside the model's prediction."""
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {s["section"] for s in result["steps"]} == {"memory", "pipeline", "zero2"}
+    assert all(s["ok"] for s in result["steps"])
+    kinds = [(m["kind"], m["online"]) for m in result["memory"]]
+    assert kinds == [("eagle3", False), ("peagle", False), ("dflash", False), ("eagle3", True)]
+    for m in result["memory"]:
+        assert m["step_s"] > 0 and m["tokens_per_s"] > 0 and m["peak_over_setup_gb"] > 0
+        assert 0.3 < m["predicted_over_setup_gb"] / m["peak_over_setup_gb"] < 3  # tiny: fixed costs dominate
