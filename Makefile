@@ -8,7 +8,8 @@
 #                 carried): step time, tokens/s and peak memory per head kind at the 8B shapes, the smoke
 #                 pipeline on CUDA, ZeRO-2 on one rank, the golden losses (docs/gpu.md#the-gpu-check)
 #   make bench    data_prep (caching, vLLM capture, regeneration with capture) and train benchmarks, online
-#                 against cached training (smoke target and SmolLM2-135M)
+#                 against cached training (smoke target and SmolLM2-135M), the training attention and one
+#                 EAGLE-3 step's memory at Llama-3.1-8B's shapes
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -87,6 +88,8 @@ bench: setup
 	$(PY) train/benchmark.py --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/main.py run_dir=runs/bench/tb_smol data.num_samples=24 render.max_length=512
 	$(PY) train/benchmark.py --num-batches 4 --repeats 3 --out runs/bench/train_smollm2.json -- run_dir=runs/bench/tb_smol train.batch_size=2
+	$(PY) train/benchmark_attention.py --seq-len 2048 --extra 6 --repeats 2 --out runs/bench/attention_llama31_8b.json
+	$(PY) train/benchmark_memory.py --recipe llama31_8b --kinds eagle3 --batch-size 1 --seq-len 2048 --out runs/bench/memory_llama31_8b_eagle3.json
 	$(PY) train/benchmark_online.py --steps 40 --warmup 5 --work-dir runs/bench/online_smoke --out runs/bench/online_smoke.json -- experiment=smoke
 	$(PY) train/benchmark_online.py --steps 12 --warmup 2 --work-dir runs/bench/online_smollm2 --out runs/bench/online_smollm2.json -- experiment=smollm2 data.num_samples=200 regen.enabled=false
 
