@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from artifacts.cache import read_complete_shard_info, shard_path, write_shard
-from data_prep.regenerate import select_devices
 from data_prep.render import RenderedSample, fit_length
 from data_prep.sources import is_held_out
 from target.capture import (
@@ -68,7 +67,6 @@ def capture_engine(
             f"render.max_length={cfg.render.max_length} tokens and samples one more; set it above "
             f"{cfg.render.max_length} (or leave it out: the target's own limit)"
         )
-    select_devices(device_index, cfg.capture.tensor_parallel_size)
     if cfg.capture.tensor_parallel_size > 1 and not torch.cuda.is_available():
         if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":  # the engine inherits it
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cfg.capture.tensor_parallel_size)
@@ -84,7 +82,14 @@ def capture_engine(
         seed=cfg.regen.seed if regenerating else None,
         dtype=cfg.target.dtype,
     )
-    return CaptureEngine(settings, layers, storage, cfg.capture.transfer, dict(cfg.capture.transfer_args))
+    return CaptureEngine(
+        settings,
+        layers,
+        storage,
+        cfg.capture.transfer,
+        dict(cfg.capture.transfer_args),
+        devices=None if device_index is None else (device_index, cfg.capture.tensor_parallel_size),
+    )
 
 
 def capture_identity(cfg) -> dict:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 from collections import Counter
 from pathlib import Path
 
 from artifacts import atomic
 from artifacts.cache import file_sha256
 from data_prep.render import render_conversation
+from target.launch import engine_devices
 from target.vllm import EngineSettings, llm_kwargs
 
 log = logging.getLogger(__name__)
@@ -38,38 +38,12 @@ def start_engine(target_path: str, cfg, device_index: int | None = None):
     """The plain regeneration engine (`capture.engine=hf`: the states are computed afterwards)."""
     from vllm import LLM
 
-    select_devices(device_index)
     # No counters to read here: the offline engine keeps its stats off, as it does by default.
     settings = EngineSettings(
         target_path, None, dict(cfg.vllm_kwargs), "regen.vllm_kwargs", seed=cfg.seed, log_stats=False
     )
-    return LLM(**llm_kwargs(settings))
-
-
-def select_devices(local_rank: int | None, count: int = 1) -> None:
-    """One engine per rank, on that rank's own `count` GPUs: entries r*count .. r*count + count - 1 of the
-    devices the user made visible (all of them when CUDA_VISIBLE_DEVICES is unset), so TP4 x 2 ranks fill
-    8, and a run given GPUs 4,5,6,7 stays on them. The engine process inherits this."""
-    if local_rank is None:
-        return
-    # The user's own list, kept beside the one this process narrows it to (a second engine, or a rerun of
-    # the stage in the same process, must count from the user's list again).
-    user = os.environ.setdefault(USER_DEVICES_ENV, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
-    wanted = range(local_rank * count, (local_rank + 1) * count)
-    if not user.strip():
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in wanted)
-        return
-    visible = [d.strip() for d in user.split(",") if d.strip()]
-    if wanted.stop > len(visible):
-        raise ValueError(
-            f"CUDA_VISIBLE_DEVICES={user}: local rank {local_rank} needs devices {wanted.start}..{wanted.stop - 1} "
-            f"of that list ({count} per engine: capture.tensor_parallel_size), but it has {len(visible)}; "
-            "start fewer processes per node or make more devices visible"
-        )
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in wanted)
-
-
-USER_DEVICES_ENV = "DRAFT_PIPELINE_USER_CUDA_VISIBLE_DEVICES"
+    with engine_devices(device_index):  # the engine's processes start on this rank's GPU
+        return LLM(**llm_kwargs(settings))
 
 
 def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, sink=None):

@@ -15,8 +15,9 @@ convention (target/model.py), so `CaptureLayers` only adds L and applies the tar
 the final state the cache stores, as transformers computes it.
 
 Transfer: the files are read through `hs-connectors` (the library vLLM's own trainer, speculators, reads
-them with), whose backends are named settings (`capture.transfer`: file, fp8; not mooncake, docs/gpu.md); on vLLM's CPU
-build the `file` backend's writer is our `target/capture_connector.py`, since vLLM's fails there.
+them with), whose backends are named settings (`capture.transfer`: file, fp8; not mooncake, docs/gpu.md);
+on vLLM's CPU build the `file` backend's writer is our `target/capture_connector.py`, since vLLM's fails
+there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from target.launch import engine_devices
 from target.vllm import EngineSettings, target_dtype_extra
 
 log = logging.getLogger(__name__)
@@ -206,9 +208,10 @@ class CaptureEngine:
     """
 
     def __init__(self, settings: EngineSettings, layers: CaptureLayers, storage_dir: Path, transfer="file",
-                 transfer_overrides: dict | None = None):  # fmt: skip
+                 transfer_overrides: dict | None = None, devices: tuple[int, int] | None = None):  # fmt: skip
         self.settings, self.layers, self.storage_dir = settings, layers, Path(storage_dir)
         self.transfer_name, self.transfer_overrides = transfer, transfer_overrides
+        self.devices = devices  # (local rank, devices per engine): target/launch.engine_devices; None: CPU
         self.llm = None
 
     def __enter__(self) -> CaptureEngine:
@@ -222,7 +225,8 @@ class CaptureEngine:
         self.reader = transfer_backend(self.transfer_name).from_train_args(args, str(self.storage_dir))
         try:
             self.reader.setup()
-            self.llm = LLM(**llm_kwargs(self.settings))
+            with engine_devices(*(self.devices or (None,))):
+                self.llm = LLM(**llm_kwargs(self.settings))
         except BaseException:  # a failed start (no memory, a bad argument, Ctrl-C) leaves no scratch files
             self.__exit__(None, None, None)
             raise

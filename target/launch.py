@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -53,3 +54,38 @@ def setup_logging(accelerator: Accelerator) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+
+
+def rank_devices(local_rank: int, count: int, visible: str | None) -> str:
+    """The `CUDA_VISIBLE_DEVICES` of local rank r's engine over `count` devices: entries r*count ..
+    r*count + count - 1 of the user's `visible` list (of the node's devices when it is unset), so TP4 x 2
+    ranks fill 8 and a run given GPUs 4,5,6,7 stays on them."""
+    wanted = range(local_rank * count, (local_rank + 1) * count)
+    if not (visible or "").strip():
+        return ",".join(str(i) for i in wanted)
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if wanted.stop > len(devices):
+        raise ValueError(
+            f"CUDA_VISIBLE_DEVICES={visible}: local rank {local_rank} needs devices {wanted.start}.."
+            f"{wanted.stop - 1} of that list ({count} per engine: capture.tensor_parallel_size), but it has "
+            f"{len(devices)}; start fewer processes per node or make more devices visible"
+        )
+    return ",".join(devices[i] for i in wanted)
+
+
+@contextmanager
+def engine_devices(local_rank: int | None, count: int = 1):
+    """Inside, processes started (a vLLM engine's) see only this rank's devices (`rank_devices`); the
+    user's list is back afterwards, for this process and any later engine. None: no change (CPU)."""
+    if local_rank is None:
+        yield
+        return
+    user = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = rank_devices(local_rank, count, user)
+    try:
+        yield
+    finally:
+        if user is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = user

@@ -77,7 +77,7 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
             Conversation(c.id, c.messages[:1] + [{"role": "assistant", "content": "ok"}])
             for c in conversations
         ]
-        return answered, {"finish_stop": len(conversations)}, []
+        return answered, {"finish_stop": len(conversations)}
 
     monkeypatch.setattr(regenerate, "start_engine", lambda *args: object())
     monkeypatch.setattr(regenerate, "regenerate_conversations", fake_regenerate)

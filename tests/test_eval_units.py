@@ -138,8 +138,17 @@ def test_latency_summary_counts_failures_and_uses_client_times():
 def test_serve_command_flags():
     settings = EngineSettings("/m", {"k": 1}, {"enforce-eager": True, "max_model_len": 512, "x": False})
     command = serve_argv(settings, 8000)
-    tail = ["--port", "8000", "--enforce-eager", "--max-model-len", "512", "--speculative-config", '{"k": 1}']
-    assert command[-len(tail) :] == tail
+    tail = [
+        "--port",
+        "8000",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--no-x",
+        "--speculative-config",
+        '{"k": 1}',
+    ]
+    assert command[-len(tail) :] == tail  # False: the --no- form (vLLM's default may be True)
     assert "--x" not in command and command[command.index("--model") + 1] == "/m"
 
 

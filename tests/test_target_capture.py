@@ -154,11 +154,21 @@ def test_the_70b_recipe_composes_tp4_times_two_engines_with_vllms_own_connector(
     # The stage's engines on an 8-GPU node (as if CUDA were there): two data_prep processes, rank r's
     # engine tensor-parallel over GPUs 4r .. 4r+3, writing through vLLM's own connector (pinned copies on
     # a CUDA stream; ours is for its CPU build).
+    vllm = pytest.importorskip("vllm")
+    seen = []
+
+    def engine_start(**kwargs):  # what the engine's processes would see; then stop before any real start
+        seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        raise RuntimeError("no GPU here")
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm, "LLM", engine_start)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for rank, devices in [(0, "0,1,2,3"), (1, "4,5,6,7")]:
         engine = capture_engine(cfg, cfg.target.path, layers, tmp_path / f"rank{rank}", rank, True)
-        assert os.environ["CUDA_VISIBLE_DEVICES"] == devices
+        with pytest.raises(RuntimeError, match="no GPU here"), engine:
+            pass
+        assert seen[-1] == devices and "CUDA_VISIBLE_DEVICES" not in os.environ  # the user's (unset) back
         kwargs = llm_kwargs(engine.settings)
         assert kwargs["tensor_parallel_size"] == 4 and kwargs["gpu_memory_utilization"] == 0.9
         assert kwargs["max_model_len"] == cfg.render.max_length
