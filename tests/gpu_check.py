@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # the GPU machine has no install of this repository: its packages from here
+    sys.path.insert(0, str(REPO))
 KINDS = {  # tests/helpers.py's small settings for the smoke target
     "eagle3": [],
     "peagle": ["head.kind=peagle", "head.num_layers=2", "head.cod_ratio=0.5"],
@@ -46,8 +48,9 @@ def run(section: str, command: list[str], results: list, env: dict | None = None
     """Run one step of a section; record its time, status and last lines; return its output."""
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True,
-                              text=True, timeout=timeout)  # fmt: skip
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})},
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
         ok, output = done.returncode == 0, done.stdout + done.stderr
     except subprocess.TimeoutExpired as error:
         ok, output = False, f"timed out after {timeout} s\n{error.stdout or ''}{error.stderr or ''}"

@@ -196,7 +196,8 @@ def child(args) -> dict:
     if args.online:
         from transformers import AutoModelForCausalLM
 
-        target = AutoModelForCausalLM.from_config(target_config, dtype=torch.bfloat16).to(device).eval()
+        with torch.device(device):  # built where it runs: 8B random weights in seconds on a GPU
+            target = AutoModelForCausalLM.from_config(target_config, dtype=torch.bfloat16).eval()
         states = OnlineStates(target, aux_ids)
         del batch["aux_hidden"], batch["final_hidden"]
     denominator = batch["loss_mask"].sum().float()
