@@ -80,12 +80,8 @@ def step_memory(
     """
     head, h = cfg.head, target_config.hidden_size
     i, heads = target_config.intermediate_size, target_config.num_attention_heads
-    v, vd = (
-        target_config.vocab_size,
-        draft.config.draft_vocab_size
-        if hasattr(draft.config, "draft_vocab_size")
-        else target_config.vocab_size,
-    )
+    v = target_config.vocab_size
+    vd = getattr(draft.config, "draft_vocab_size", v)  # EAGLE-1 decodes with the target's lm_head
     params = [(n, p) for n, p in draft.named_parameters() if "embed_tokens" not in n]
     trainable = sum(p.numel() for _, p in params if p.requires_grad)
     matmul = sum(p.numel() for _, p in params if p.dim() == 2)
@@ -117,10 +113,10 @@ def step_memory(
             5 * min(SCORE_BUDGET_BYTES, 4 * b * heads * t * t) // 2,
             9 * min(LOGIT_BUDGET_BYTES, 4 * rows * vd) // 2,
         ),
+        # Kernel workspaces and scratch (cuBLAS, oneDNN), the allocator's first pages: what a tiny step
+        # still takes.
+        "workspace": 128 * 2**20,
     }
-    # Kernel workspaces and scratch (cuBLAS, oneDNN), the allocator's first pages: what a tiny step still
-    # takes.
-    breakdown["workspace"] = 128 * 2**20
     if head.kind == "dflash":
         kv = (getattr(target_config, "num_key_value_heads", None) or heads) * draft.config.head_dim
         breakdown["activations"] += queries * (PER_DFLASH_QUERY_H * h + 2 * 2 * head.block_size * kv)
@@ -130,9 +126,7 @@ def step_memory(
         keys = t + (head.block_size if head.kind == "dflash" else 0)
         breakdown["activations"] += PER_SCORE * heads * max(0, queries - first) * keys
     if rows * vd * 4 <= LOGIT_BUDGET_BYTES:  # small shapes: each drafting step's logits are kept, unchunked
-        outputs = queries // max(
-            1, getattr(head, "num_layers", 1) if head.kind in ("peagle", "dflash") else 1
-        )
+        outputs = queries // (head.num_layers if head.kind in ("peagle", "dflash") else 1)
         breakdown["activations"] += outputs * PER_LOGIT * vd
     if online:
         breakdown["online_target"] = target_weights_bytes(target_config, target_bytes)
