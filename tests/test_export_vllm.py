@@ -193,7 +193,11 @@ def test_export_stage_names_a_missing_head(tmp_path):
 # `regen_head` (tests/conftest.py): a smoke head trained on the smoke target's own answers.
 
 
-@pytest.mark.parametrize("fmt,dtype", [("speculators", "bfloat16"), ("plain", "float32")])
+# The bf16 speculators variant is slow (make test-all): the speculators format is served in the default suite
+# by the recipe-option and P-EAGLE tests, and CI's 30 minutes had no room for both (issue 33).
+@pytest.mark.parametrize(
+    "fmt,dtype", [pytest.param("speculators", "bfloat16", marks=pytest.mark.slow), ("plain", "float32")]
+)
 def test_vllm_accepts_drafts_at_the_reference_decoders_rate(regen_head, fmt, dtype):
     out_dir = regen_head / f"export_{fmt}"
     overrides = [
@@ -225,7 +229,8 @@ def test_vllm_eagle1_export_loads_and_matches(regen_run, tmp_path_factory):
     assert report["vllm"]["accepted_per_position"] == report["reference"]["accepted_per_position"]
 
 
-@pytest.mark.parametrize("fmt", ["speculators", "plain"])
+# The plain P-EAGLE export is slow (make test-all); the speculators one, the recipes' format, stays default.
+@pytest.mark.parametrize("fmt", ["speculators", pytest.param("plain", marks=pytest.mark.slow)])
 def test_vllm_drafts_a_peagle_head_in_parallel_at_the_reference_decoders_rate(regen_peagle_head, fmt):
     """Two decoder layers, mask slots: vLLM's parallel drafting and the reference's parallel rounds agree."""
     out_dir = regen_peagle_head / f"export_{fmt}"
