@@ -225,7 +225,8 @@ class CaptureEngine:
         self.reader = transfer_backend(self.transfer_name).from_train_args(args, str(self.storage_dir))
         try:
             self.reader.setup()
-            with engine_devices(*(self.devices or (None,))):
+            rank, count = self.devices or (None, 1)
+            with engine_devices(rank, count):
                 self.llm = LLM(**llm_kwargs(self.settings))
         except BaseException:  # a failed start (no memory, a bad argument, Ctrl-C) leaves no scratch files
             self.__exit__(None, None, None)

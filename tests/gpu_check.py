@@ -45,6 +45,14 @@ def stage(name: str, run_dir: Path, *overrides: str, launcher: list[str] = ()) -
             *overrides]  # fmt: skip
 
 
+def linked_run(run_dir: Path, source: Path) -> Path:
+    """A run directory whose entries (target, cache) are links to `source`'s: each stage writes its own."""
+    run_dir.mkdir()
+    for item in source.iterdir():
+        (run_dir / item.name).symlink_to(item)
+    return run_dir
+
+
 def run(section: str, command: list[str], results: list, env: dict | None = None, timeout: int = 600) -> str:
     """Run one step of a section; record its time, status and last lines; return its output."""
     start = time.perf_counter()
@@ -108,10 +116,7 @@ def main() -> int:
 
     if "pipeline" in args.sections:
         for kind, overrides in KINDS.items():
-            run_dir = work / f"train_{kind}"
-            run_dir.mkdir()
-            for item in cached.iterdir():
-                (run_dir / item.name).symlink_to(item)
+            run_dir = linked_run(work / f"train_{kind}", cached)
             run(
                 "pipeline",
                 stage("train", run_dir, *overrides, *steps, *quiet, "train.mixed_precision=bf16"),
@@ -123,10 +128,7 @@ def main() -> int:
             results)  # fmt: skip
 
     if "zero2" in args.sections:
-        run_dir = work / "zero2"
-        run_dir.mkdir()
-        for item in cached.iterdir():
-            (run_dir / item.name).symlink_to(item)
+        run_dir = linked_run(work / "zero2", cached)
         env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
                "ACCELERATE_MIXED_PRECISION": "bf16"}  # fmt: skip
         if args.cpu:

@@ -141,25 +141,37 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def mark_memory(device) -> tuple[int | None, bool]:
+    """Start a peak measurement: (what is held now, whether the peak mark could be reset). CUDA: allocated
+    tensors, the peak counter reset; CPU: the resident set, VmHWM lowered to it (`reset_peak_rss`)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device), True
+    reset = reset_peak_rss()
+    return current_rss(), reset
+
+
+def peak_memory(device) -> int:
+    """The peak since `mark_memory`: torch.cuda.max_memory_allocated, or the peak RSS on a CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss()
+
+
 def measure_memory(cfg, num_steps: int, num_batches: int) -> dict:
     """In a fresh process: memory before the first step and at the peak of one pass over the batches."""
     accelerator, model, optimizer, batches, _ = setup(cfg, num_batches)
     set_num_ttt_steps(accelerator, model, num_steps)
     cuda = accelerator.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        before, reset = current_rss(), reset_peak_rss()
+    before, reset = mark_memory(accelerator.device)
     for batch in batches:
         train_step(accelerator, model, optimizer, batch, cfg.optim.max_grad_norm)
+    peak = peak_memory(accelerator.device)
     if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
         result = {"measure": "torch.cuda.max_memory_allocated", "peak_mb": peak / MB}
     else:
-        peak = peak_rss()
         result = {"measure": "peak RSS (VmHWM) of a fresh process", "peak_mb": peak / MB}
         # Without the reset the peak may be a setup transient: then it bounds the pass's peak from above.
         result["peak_reset_before_pass"] = reset

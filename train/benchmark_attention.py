@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from heads.attention import attention, dense_attention  # noqa: E402
-from train.benchmark import current_rss, peak_rss, reset_peak_rss  # noqa: E402
+from train.benchmark import mark_memory, peak_memory  # noqa: E402
 
 
 def inputs(b, n, g, t, d, j, device, dtype):
@@ -70,18 +70,13 @@ def measure(fn, args, repeats: int, device) -> dict:
     start = time.perf_counter()
     once()  # warm-up (FlexAttention compiles here)
     first = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    else:
-        reset_peak_rss()
-        before = current_rss()
+    before, _ = mark_memory(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         once()
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+    peak = peak_memory(device)
     return {
         "seconds": round(min(times), 4),
         "first_call_s": round(first, 2),

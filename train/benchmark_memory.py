@@ -41,7 +41,7 @@ if str(REPO) not in sys.path:  # run as a script: the repository's packages
 from artifacts.config import compose  # noqa: E402
 from artifacts.vocab import VocabMap  # noqa: E402
 from target.model import default_aux_layer_ids  # noqa: E402
-from train.benchmark import current_rss, peak_rss, reset_peak_rss  # noqa: E402
+from train.benchmark import mark_memory, peak_memory  # noqa: E402
 from train.memory import GB, IN_SETUP, describe, peak_bytes, step_memory  # noqa: E402
 
 # The recipes' targets, from their hub config.json files (no download here).
@@ -165,10 +165,6 @@ def random_batch(cfg, target_config, aux_ids, batch_size: int, seq_len: int, dev
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def memory_now(device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss()
-
-
 def child(args) -> dict:
     """One kind's setup and steps in this process; the measurement as a dict."""
     from train.data import OnlineStates
@@ -201,12 +197,7 @@ def child(args) -> dict:
         states = OnlineStates(target, aux_ids)
         del batch["aux_hidden"], batch["final_hidden"]
     denominator = batch["loss_mask"].sum().float()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_peak_rss()
-    before = memory_now(device)
+    before, _ = mark_memory(device)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -225,7 +216,7 @@ def child(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+    peak = peak_memory(device)
     predicted = step_memory(cfg, draft, target_config, args.batch_size, args.seq_len, online=args.online,
                             answer_fraction=ANSWER_FRACTION)  # fmt: skip
     recipe_batch = step_memory(cfg, draft, target_config, cfg.train.batch_size, cfg.render.max_length,

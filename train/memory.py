@@ -17,6 +17,7 @@ Vd draft vocab.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from heads.attention import SCORE_BUDGET_BYTES
 from train.losses import LOGIT_BUDGET_BYTES
 
+log = logging.getLogger("train")  # train's own logger: the estimate is one of its lines
 GB = 1e9
 # Bytes autograd keeps per query token of one decoder-layer call, per unit of H and of I (bf16 autocast):
 # the fp32 input and residual, RMSNorms' fp32 inputs, the bf16 casts the projections save, RoPE'd q/k,
@@ -185,9 +187,6 @@ MAX_GPU_SHARE = 0.9
 def check_step_fits(cfg, accelerator, draft, target_config, seq_len: int) -> dict[str, int]:
     """Refuse, before the first step, a micro-batch whose step cannot fit this rank's device, naming the
     setting to change; on CPU say so when it exceeds the memory available. Returns the estimate."""
-    import logging
-
-    log = logging.getLogger("train")
     zero_stage = 0
     if accelerator.state.deepspeed_plugin is not None:
         zero_stage = int(accelerator.state.deepspeed_plugin.zero_stage)
