@@ -223,8 +223,11 @@ class HeadConfig:
     mask_token_id: int | None = None
     # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
     cod_ratio: float = checked(1.0, within(0, 1, low_closed=False))
-    # DFlash: tokens per block, the anchor and block_size - 1 mask slots (serve k = block_size - 1)
+    # DFlash: tokens per block, the anchor and block_size - 1 mask slots (the longest block trained)
     block_size: int = checked(8, Check(lambda v: v is not None and v >= 2, ">= 2"))
+    # DFlash: each block trained is uniformly min_block_size..block_size long, so that a bidirectional head
+    # serves every k = length - 1 as trained (None: full blocks only, served at k = block_size - 1 alone)
+    min_block_size: int | None = checked(None, optional(Check(lambda v: v >= 2, ">= 2")))
     num_anchors: int = checked(512, POSITIVE)  # DFlash: random anchors (blocks) per sequence and step
     # DFlash: mask slot k's loss weighs exp(-(k-1)/loss_decay) (the paper: 7 for block 16, 4 for block 8)
     loss_decay: float = checked(4.0, POSITIVE)
@@ -509,12 +512,39 @@ def trained_depths(head) -> int | None:
     return {"peagle": head.num_depths, "dflash": head.block_size - 1}.get(head.kind)
 
 
+def trained_block_lengths(head) -> tuple[int, int]:
+    """(shortest, longest) DFlash block a head of this config trains: head.min_block_size (None: full
+    blocks) to head.block_size."""
+    return (head.min_block_size or head.block_size, head.block_size)
+
+
+def dflash_trained_ks(block_size: int, min_block_size: int | None, causal: bool) -> list[int]:
+    """The k a DFlash head drafts as it was trained. vLLM serves k mask slots as a block of 1 + k tokens;
+    inside a bidirectional block every slot sees every other, so a block shorter than any trained changes
+    every slot's output: only k = length - 1 of a trained length. A causal slot sees only the slots before
+    it, the same in any longer block: every k up to block_size - 1."""
+    shortest = 2 if causal else (min_block_size or block_size)
+    return list(range(shortest - 1, block_size))
+
+
+def trained_ks(head) -> list[int] | None:
+    """The k (drafts per round) a head of this config is trained for; None: any (a chain head)."""
+    if head.kind == "dflash":
+        return dflash_trained_ks(head.block_size, head.min_block_size, head.causal)
+    if head.kind == "peagle":
+        return list(range(1, head.num_depths + 1))
+    return None
+
+
 def check_combinations(cfg: DictConfig) -> None:
     """Settings that are each valid but wrong together, refused before any stage starts work."""
-    depths = trained_depths(cfg.head)
+    ks = trained_ks(cfg.head)
     limit = (
-        f"<= {'head.num_depths' if cfg.head.kind == 'peagle' else 'head.block_size - 1'}={depths} (a "
-        f"{cfg.head.kind} head drafts only the positions it trained"
+        f"one of {ks}, the k a {cfg.head.kind} head of head.block_size={cfg.head.block_size}, "
+        f"head.min_block_size={cfg.head.min_block_size}, head.causal={cfg.head.causal} drafts as trained "
+        "(docs/dflash.md#served-k)"
+        if cfg.head.kind == "dflash"
+        else f"<= head.num_depths={cfg.head.num_depths} (a P-EAGLE head drafts only the depths it trained)"
     )
     if cfg.head.kind == "peagle" and cfg.head.num_depths == 1:
         refuse(
@@ -523,8 +553,14 @@ def check_combinations(cfg: DictConfig) -> None:
             ">= 2 for head.kind=peagle (one depth trains no mask slot: its mask state would get no gradient, "
             "which stops DDP at step 2); for k=1, train head.kind=eagle3 with head.num_ttt_steps=1",
         )
-    if depths is not None and cfg.export.num_speculative_tokens > depths:
-        refuse("export.num_speculative_tokens", cfg.export.num_speculative_tokens, f"{limit}; or train more)")
+    if (
+        cfg.head.kind == "dflash"
+        and cfg.head.min_block_size
+        and cfg.head.min_block_size > cfg.head.block_size
+    ):
+        refuse("head.min_block_size", cfg.head.min_block_size, f"<= head.block_size={cfg.head.block_size}")
+    if ks is not None and cfg.export.num_speculative_tokens not in ks:
+        refuse("export.num_speculative_tokens", cfg.export.num_speculative_tokens, limit)
     if cfg.head.kind == "eagle1":
         eagle3_only = [f"head.{flag}" for flag in EAGLE3_ONLY if cfg.head[flag]]
         eagle3_only += ["head.lm_head_init"] if cfg.head.lm_head_init != "random" else []
@@ -557,12 +593,8 @@ def check_combinations(cfg: DictConfig) -> None:
         if head.method == "ngram" and head.prompt_lookup_min > head.prompt_lookup_max:
             refuse(f"eval.heads[{index}].prompt_lookup_min", head.prompt_lookup_min, "<= prompt_lookup_max")
         own_export = head.method == "export" and head.path is None
-        if own_export and depths is not None and max(head.num_speculative_tokens) > depths:
-            refuse(
-                f"eval.heads[{index}].num_speculative_tokens",
-                list(head.num_speculative_tokens),
-                f"{limit}: the head of this run drafts no further)",
-            )
+        if own_export and ks is not None and not set(head.num_speculative_tokens) <= set(ks):
+            refuse(f"eval.heads[{index}].num_speculative_tokens", list(head.num_speculative_tokens), limit)
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -6,11 +6,15 @@ the target here, before any server starts.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from artifacts import atomic
-from export.to_vllm import check_head_fits_target, read_export_config, speculative_config
+from artifacts.config import refuse
+from export.to_vllm import check_head_fits_target, export_trained_ks, read_export_config, speculative_config
 from heads.kinds import head_kind
+
+log = logging.getLogger("eval")
 
 
 def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
@@ -33,6 +37,7 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
             kind, fields = read_export_config(path)
             check_head_fits_target(path, fields, target_config)
             drafting = head_kind(kind).drafting
+            check_served_ks(head, path, kind, fields)
         else:
             raise ValueError(f"eval.heads[{head.name}].method={head.method!r}: choose export or ngram")
         for k in head.num_speculative_tokens:
@@ -50,6 +55,27 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
                 }
             )
     return configs
+
+
+def check_served_ks(head, path: Path, kind: str, fields: dict) -> None:
+    """Refuse a k the export's head was not trained to draft (its config.json says which); warn where it
+    does not say and a bidirectional DFlash head is asked for k != block_size - 1 (every slot would see a
+    block of another length than it trained on)."""
+    ks, asked = export_trained_ks(path), [int(k) for k in head.num_speculative_tokens]
+    if ks is not None and not set(asked) <= set(ks):
+        refuse(
+            f"eval.heads[{head.name}].num_speculative_tokens",
+            asked,
+            f"among {ks}, the k {path} was trained to draft (docs/dflash.md#served-k)",
+        )
+    if ks is None and kind == "dflash" and not fields["causal"]:
+        others = [k for k in asked if k != fields["block_size"] - 1]
+        if others:
+            log.warning(
+                "%s does not say which k its bidirectional DFlash head was trained for: k=%s serve blocks "
+                "other than its block_size %d, which it was probably not trained on (docs/dflash.md#served-k)",
+                path, others, fields["block_size"],
+            )  # fmt: skip
 
 
 def schedule_configs(recommendations: list[dict], workloads, configs: list[dict] = ()) -> list[dict]:

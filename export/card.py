@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from artifacts import atomic
+from artifacts.config import dflash_trained_ks
 from export.to_vllm import speculative_config
 from heads.head_file import read_record
 from heads.kinds import head_kind
@@ -146,8 +147,8 @@ def model_card(
     num_layers = c.get("num_hidden_layers", 1)
     drafting = {
         "parallel": "parallel drafting: all k drafts of a round in one forward pass",
-        "block": f"block drafting: the bonus token and k mask slots in one forward pass; trained blocks of "
-        f"{c.get('block_size')}, so serve k <= {c.get('block_size', 2) - 1}",
+        "block": "block drafting: the bonus token and k mask slots in one forward pass; trained on blocks of "
+        f"{block_lengths(c)} tokens, so serve k in {ks_text(c)} (docs/dflash.md#served-k)",
     }.get(mode, "chain drafting")
     lines = [
         f"# {name} draft head for {Path(target['path']).name}",
@@ -183,7 +184,8 @@ def model_card(
                     [
                         [
                             "block size, attention in the block",
-                            f"{c['block_size']}, {'causal' if c['causal'] else 'bidirectional'}",
+                            f"{c['block_size']} (trained {block_lengths(c)}), "
+                            f"{'causal' if c['causal'] else 'bidirectional'}",
                         ]
                     ]
                     if block
@@ -245,3 +247,15 @@ def model_card(
 
 def _pair(values: dict | None) -> str:
     return f"{values.get('train', '?')} / {values.get('eval', '?')}" if values else "?"
+
+
+def block_lengths(c: dict) -> str:
+    """The DFlash block lengths a head config trained, as the card writes them: "8" or "2-8"."""
+    shortest = c.get("min_block_size") or c["block_size"]
+    return str(c["block_size"]) if shortest == c["block_size"] else f"{shortest}-{c['block_size']}"
+
+
+def ks_text(c: dict) -> str:
+    """The k a DFlash head config drafts as trained, as the card writes them: "7" or "1-7"."""
+    ks = dflash_trained_ks(c["block_size"], c.get("min_block_size"), c["causal"])
+    return str(ks[0]) if len(ks) == 1 else f"{ks[0]}-{ks[-1]}"

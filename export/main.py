@@ -52,12 +52,11 @@ def run(cfg: DictConfig) -> dict:
     # a head without checksums only with export.allow_unverified_head.
     atomic.recover_dir(head_dir)  # a train killed while publishing the head left the old one aside
     head = record, _ = read_head(head_dir, allow_unverified=cfg.export.allow_unverified_head)
-    depths = record.training.get("settings", {}).get("head", {}).get("num_depths")
-    if record.kind == "peagle" and depths and cfg.export.num_speculative_tokens > depths:
+    if record.trained_ks is not None and cfg.export.num_speculative_tokens not in record.trained_ks:
         refuse(
             "export.num_speculative_tokens",
             cfg.export.num_speculative_tokens,
-            f"<= {depths}, the parallel depths {head_dir} was trained with (a P-EAGLE head drafts no further)",
+            f"one of {record.trained_ks}, the k {head_dir} was trained to draft (docs/dflash.md#served-k)",
         )
     target_path = target_dir(cfg.target)
     target_config = load_config(cfg.target)

@@ -117,6 +117,7 @@ def dflash_config(head_config: dict, target_config, dtype: str) -> dict:
         "draft_vocab_size": c["draft_vocab_size"],
         "target_hidden_size": target_config.hidden_size,
         "block_size": c["block_size"],
+        "min_block_size": c["min_block_size"],  # the shortest block trained (vLLM ignores it)
         "dflash_config": {
             "target_layer_ids": [i - 1 for i in c["aux_layer_ids"]],
             "mask_token_id": c["mask_token_id"],
@@ -137,7 +138,14 @@ def dflash_speculators_config(
             "always bidirectional); export a head trained with head.causal=true with export.format=plain"
         )
     layer = dflash_config(c, target_config, dtype)  # minus what the speculators format holds at its top
-    for key in ("architectures", "draft_vocab_size", "target_hidden_size", "block_size", "dflash_config"):
+    for key in (
+        "architectures",
+        "draft_vocab_size",
+        "target_hidden_size",
+        "block_size",
+        "min_block_size",
+        "dflash_config",
+    ):
         del layer[key]
     return {
         "speculators_model_type": "dflash",
@@ -146,6 +154,7 @@ def dflash_speculators_config(
         "draft_vocab_size": c["draft_vocab_size"],
         "target_hidden_size": target_config.hidden_size,
         "block_size": c["block_size"],
+        "min_block_size": c["min_block_size"],  # the shortest block trained (vLLM ignores it)
         "aux_hidden_state_layer_ids": list(c["aux_layer_ids"]),
         "mask_token_id": c["mask_token_id"],
         "sliding_window_non_causal": True,
@@ -283,6 +292,8 @@ def export_head(
                 weights["mask_hidden"] = weights["mask_hidden"].reshape(1, 1, -1)
     else:
         config = eagle1_config(c, target_config, dtype)
+    if record.trained_ks is not None:  # for eval and readers; vLLM and speculators ignore the key
+        config[TRAINED_KS] = record.trained_ks
     with atomic.publish_dir(out_dir) as tmp:  # the old export stays whole until this one replaces it
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -319,6 +330,17 @@ LAYER_FIELDS = (
 )
 
 
+# config.json's key for the k the head was trained to draft (written by export_head, read by eval).
+TRAINED_KS = "trained_num_speculative_tokens"
+
+
+def export_trained_ks(export_dir: Path) -> list[int] | None:
+    """The k an export's head was trained to draft (its TRAINED_KS); None where the export does not say
+    (written before this key, by another trainer, or a chain head)."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    return config.get(TRAINED_KS)
+
+
 def read_export_config(export_dir: Path) -> tuple[str, dict]:
     """(kind, head config fields) from an export's config.json, in any of the three formats."""
     path = Path(export_dir) / "config.json"
@@ -352,6 +374,7 @@ def dflash_fields(config: dict, layer: dict) -> dict:
         "num_hidden_layers": layer["num_hidden_layers"],
         "mask_token_id": config.get("mask_token_id"),
         "block_size": config["block_size"],
+        "min_block_size": config.get("min_block_size"),  # absent: written before it, or by another trainer
     }
     if "speculators_model_type" in config:  # vLLM: target_layer_ids = id - 1, causal = not the flag
         ids, causal = config["aux_hidden_state_layer_ids"], not config.get("sliding_window_non_causal", True)

@@ -43,10 +43,10 @@ def attention(
     query_positions_BT: Tensor | None = None,
     extra_k_BGTJD: Tensor | None = None,
     extra_v_BGTJD: Tensor | None = None,
-    extra_visible_TJ: Tensor | None = None,
+    extra_visible_BTJ: Tensor | None = None,
 ) -> Tensor:
     """Grouped-query attention: query t sees the keys at positions <= its own, plus its own J extra keys
-    (those of them `extra_visible_TJ` allows, when given).
+    (those of them `extra_visible_BTJ` allows, when given).
 
     Query positions default to the last T of the S key positions (a plain causal pass when T == S; new
     tokens after a cache otherwise); `query_positions_BT` places them elsewhere (P-EAGLE's anchors).
@@ -67,7 +67,7 @@ def attention(
     chunk = max(1, SCORE_BUDGET_BYTES // (4 * b * n * (s + j)))
     if chunk >= t:
         return dense_attention(
-            q_BNTD, k_BGSD, v_BGSD, query_positions_BT, extra_k_BGTJD, extra_v_BGTJD, extra_visible_TJ
+            q_BNTD, k_BGSD, v_BGSD, query_positions_BT, extra_k_BGTJD, extra_v_BGTJD, extra_visible_BTJ
         )
     keep_graph = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q_BNTD, k_BGSD, v_BGSD, extra_k_BGTJD, extra_v_BGTJD)
@@ -82,7 +82,7 @@ def attention(
             query_positions_BT[:, rows],
             None if extra_k_BGTJD is None else extra_k_BGTJD[:, :, rows],
             None if extra_v_BGTJD is None else extra_v_BGTJD[:, :, rows],
-            None if extra_visible_TJ is None else extra_visible_TJ[rows],
+            None if extra_visible_BTJ is None else extra_visible_BTJ[:, rows],
         )
         if keep_graph:
             outs.append(checkpoint(dense_attention, *inputs, use_reentrant=False))
@@ -98,7 +98,7 @@ def dense_attention(
     query_positions_BT: Tensor,
     extra_k_BGTJD: Tensor | None,
     extra_v_BGTJD: Tensor | None,
-    extra_visible_TJ: Tensor | None,
+    extra_visible_BTJ: Tensor | None,
 ) -> Tensor:
     """`attention` over all T queries at once: [T, S] scores (and [T, J] for the extra keys), one softmax."""
     b, n, t, d = q_BNTD.shape
@@ -112,8 +112,8 @@ def dense_attention(
         probs_BGRTS = torch.softmax(scores_BGRTS.float(), dim=-1).to(q_BNTD.dtype)
         return torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTS, v_BGSD).reshape(b, n, t, d)
     scores_BGRTJ = torch.einsum("bgrtd,bgtjd->bgrtj", q_BGRTD, extra_k_BGTJD)
-    if extra_visible_TJ is not None:
-        scores_BGRTJ = scores_BGRTJ.masked_fill(~extra_visible_TJ, float("-inf"))
+    if extra_visible_BTJ is not None:
+        scores_BGRTJ = scores_BGRTJ.masked_fill(~extra_visible_BTJ[:, None, None], float("-inf"))
     probs = torch.softmax(torch.cat([scores_BGRTS, scores_BGRTJ], dim=-1).float(), dim=-1).to(q_BNTD.dtype)
     probs_BGRTS, probs_BGRTJ = probs.split([s, extra_k_BGTJD.shape[3]], dim=-1)
     out_BGRTD = torch.einsum("bgrts,bgsd->bgrtd", probs_BGRTS, v_BGSD)
@@ -195,10 +195,12 @@ def block_attention(
     context_v_BGSD: Tensor,
     starts_BM: Tensor,
     causal: bool,
+    lengths_BM: Tensor | None = None,
 ) -> Tensor:
     """DFlash's attention: Q = M*J queries in M blocks of J consecutive positions, block m starting at
     `starts_BM[m]`; each query sees the context keys at positions < its block's start and the J keys of its
-    own block (all of them, or those up to its own with `causal`), in one softmax.
+    own block (all of them, or those up to its own with `causal`; with `lengths_BM`, only the first
+    lengths[m]: block m is then the shorter block vLLM serves at k = lengths[m] - 1), in one softmax.
 
     The same `attention` as every other head: the block's keys enter as each query's extra keys, so memory
     is O(Q*S + Q*J), never a dense (Q x (S + Q)) mask over all blocks (docs/dflash.md).
@@ -209,11 +211,17 @@ def block_attention(
     query_positions_BQ = (starts_BM - 1).repeat_interleave(j, dim=1)  # context up to the block's start
     block_k_BGQJD = k_BGQD.view(b, g, m, 1, j, d).expand(b, g, m, j, j, d).reshape(b, g, q, j, d)
     block_v_BGQJD = v_BGQD.view(b, g, m, 1, j, d).expand(b, g, m, j, j, d).reshape(b, g, q, j, d)
-    visible_QJ = None
-    if causal:
-        visible_QJ = torch.ones(j, j, dtype=torch.bool, device=q_BNQD.device).tril().repeat(m, 1)
+    visible_BQJ = None
+    if causal or lengths_BM is not None:
+        key_J = torch.arange(j, device=q_BNQD.device)
+        visible_BMJJ = torch.ones(b, m, j, j, dtype=torch.bool, device=q_BNQD.device)
+        if causal:
+            visible_BMJJ &= key_J[None, :] <= key_J[:, None]
+        if lengths_BM is not None:
+            visible_BMJJ &= (key_J < lengths_BM[..., None])[:, :, None, :]
+        visible_BQJ = visible_BMJJ.view(b, q, j)
     return attention(
-        q_BNQD, context_k_BGSD, context_v_BGSD, query_positions_BQ, block_k_BGQJD, block_v_BGQJD, visible_QJ
+        q_BNQD, context_k_BGSD, context_v_BGSD, query_positions_BQ, block_k_BGQJD, block_v_BGQJD, visible_BQJ
     )
 
 

@@ -8,7 +8,8 @@ context never passes through the layer stack. A round drafts a block of J = 1 + 
 the anchor (the last known token: the target's bonus token when served) and K mask slots at the positions
 after it, embedded by the target's embedding; the block attends to the context before its anchor and to
 itself (all of it, or causally with `causal`); `norm` + `lm_head` decode each slot into the draft
-vocabulary, the slot at position a + k predicting the token at a + k. Served with K = block_size - 1.
+vocabulary, the slot at position a + k predicting the token at a + k. Served with the k it was trained for
+(`trained_ks`: a bidirectional block of another length changes every slot's output).
 
     config = DFlashConfig.from_target_config(target_config, [2, 9, 15, 21, 28], 32000, mask_token_id=2)
     draft = DFlashDraft(config)
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from artifacts.config import dflash_trained_ks
 from heads.attention import KVCache, block_attention
 from heads.config import AuxHeadConfig
 from heads.layers import DecoderLayer, DraftModel, RMSNorm
@@ -43,6 +45,8 @@ class DFlashConfig(AuxHeadConfig):
         8  # tokens per block: the anchor and block_size - 1 mask slots (served k = block_size - 1)
     )
     causal: bool = False  # attention inside a block: bidirectional (DFlash's default) or causal
+    # the shortest block trained: blocks were min_block_size..block_size long (None: full blocks only)
+    min_block_size: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,6 +56,14 @@ class DFlashConfig(AuxHeadConfig):
             raise ValueError(
                 f"block_size={self.block_size}: a block is the anchor and at least one mask slot"
             )
+        if self.min_block_size is not None and not 2 <= self.min_block_size <= self.block_size:
+            raise ValueError(
+                f"min_block_size={self.min_block_size}: must be in 2..block_size={self.block_size}"
+            )
+
+    def trained_ks(self) -> list[int]:
+        """The k (mask slots per round) this head drafts as it was trained (`dflash_trained_ks`)."""
+        return dflash_trained_ks(self.block_size, self.min_block_size, self.causal)
 
 
 class DFlashDraft(DraftModel):
@@ -79,9 +91,16 @@ class DFlashDraft(DraftModel):
         return self.fc(aux_BTAH.flatten(-2).to(self.fc.weight.dtype))
 
     def forward(
-        self, block_ids_BMJ: Tensor, starts_BM: Tensor, context_BSH: Tensor, cache: KVCache | None = None
+        self,
+        block_ids_BMJ: Tensor,
+        starts_BM: Tensor,
+        context_BSH: Tensor,
+        cache: KVCache | None = None,
+        lengths_BM: Tensor | None = None,
     ) -> Tensor:
         """Pre-norm outputs [B, M, J, H] of M blocks; block m holds tokens at positions starts[m] .. + J - 1.
+        With `lengths_BM` block m is lengths[m] <= J tokens long, as a block served with k = lengths[m] - 1:
+        its tokens see none after that (the outputs there are padding).
 
         Without a cache the context rows are positions 0..S-1 and block m sees those < starts[m] (training).
         With one (decoding) the rows are the next positions after the cached ones, their keys join the
@@ -107,7 +126,14 @@ class DFlashDraft(DraftModel):
                 context_k_BGSD, context_v_BGSD = kv.append(context_k_BGSD, context_v_BGSD)
             q_BNQD, k_BGQD, v_BGQD, residual_BQH = layer.project(hidden_BQH, cos_BQD, sin_BQD)
             attn_BNQD = block_attention(
-                q_BNQD, k_BGQD, v_BGQD, context_k_BGSD, context_v_BGSD, starts_BM, self.config.causal
+                q_BNQD,
+                k_BGQD,
+                v_BGQD,
+                context_k_BGSD,
+                context_v_BGSD,
+                starts_BM,
+                self.config.causal,
+                lengths_BM,
             )
             hidden_BQH = layer.finish(attn_BNQD, residual_BQH)
         return hidden_BQH.view(b, m, j, -1)

@@ -54,6 +54,14 @@ class HeadRecord:
         """The final held-out metrics train measured (None: no held-out split)."""
         return self.training.get("held_out")
 
+    @property
+    def trained_ks(self) -> list[int] | None:
+        """The k (drafts per round) this head was trained for, from its own record; None: any (chain)."""
+        if self.kind == "dflash":
+            return self.config.trained_ks()
+        depths = self.training.get("settings", {}).get("head", {}).get("num_depths")
+        return list(range(1, depths + 1)) if self.kind == "peagle" and depths else None
+
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "config": self.config.to_dict()}
 

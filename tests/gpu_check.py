@@ -34,7 +34,13 @@ if str(REPO) not in sys.path:  # the GPU machine has no install of this reposito
 KINDS = {  # tests/helpers.py's small settings for the smoke target
     "eagle3": [],
     "peagle": ["head.kind=peagle", "head.num_layers=2", "head.cod_ratio=0.5"],
-    "dflash": ["head.kind=dflash", "head.num_layers=2", "head.block_size=5", "head.mask_token_id=5"],
+    "dflash": [
+        "head.kind=dflash",
+        "head.num_layers=2",
+        "head.block_size=5",
+        "head.mask_token_id=5",
+        "head.min_block_size=2",
+    ],
     "eagle1": ["head.kind=eagle1"],
 }
 

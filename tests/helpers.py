@@ -26,7 +26,13 @@ FAST = [
     "train.num_threads=1",
 ]
 PEAGLE = ("head.kind=peagle", "head.num_layers=2", "head.cod_ratio=0.5")
-DFLASH = ("head.kind=dflash", "head.num_layers=2", "head.block_size=5", "head.mask_token_id=5")
+DFLASH = (
+    "head.kind=dflash",
+    "head.num_layers=2",
+    "head.block_size=5",
+    "head.mask_token_id=5",
+    "head.min_block_size=2",
+)
 
 
 def smoke_config(run_dir, *overrides, experiment="smoke"):

@@ -250,17 +250,36 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
             ["head.kind=peagle", "export.num_speculative_tokens=2", "eval.heads=[{name: h}]"],
             "eval.heads[0].num_speculative_tokens=[1, 2, 3, 4, 5]: must be <= head.num_depths=3",
         ),
-        # A DFlash head trained with blocks of 4 (3 mask slots), exported or served with more drafts.
+        # A DFlash head trained with blocks of 4 (3 mask slots), exported or served with more drafts; a
+        # bidirectional one trained on full blocks only, exported or served with fewer.
         (
             ["head.kind=dflash", "head.block_size=4", "export.num_speculative_tokens=5"],
-            "export.num_speculative_tokens=5: must be <= head.block_size - 1=3",
+            "export.num_speculative_tokens=5: must be one of [3], the k a dflash head of head.block_size=4, "
+            "head.min_block_size=None, head.causal=False drafts as trained",
         ),
         (
-            ["head.kind=dflash", "head.block_size=4", "eval.heads=[{name: h}]"],
-            "eval.heads[0].num_speculative_tokens=[1, 2, 3, 4, 5]: must be <= head.block_size - 1=3",
+            ["head.kind=dflash", "head.block_size=8", "export.num_speculative_tokens=3"],
+            "export.num_speculative_tokens=3: must be one of [7]",
         ),
         (
-            ["head.kind=dflash", "head.norm_output=true"],
+            [
+                "head.kind=dflash",
+                "head.block_size=8",
+                "head.min_block_size=5",
+                "export.num_speculative_tokens=3",
+            ],
+            "export.num_speculative_tokens=3: must be one of [4, 5, 6, 7]",
+        ),
+        (
+            ["head.kind=dflash", "head.block_size=4", "head.min_block_size=6"],
+            "head.min_block_size=6: must be <= head.block_size=4",
+        ),
+        (
+            ["head.kind=dflash", "head.block_size=4", "head.min_block_size=2", "eval.heads=[{name: h}]"],
+            "eval.heads[0].num_speculative_tokens=[1, 2, 3, 4, 5]: must be one of [1, 2, 3]",
+        ),
+        (
+            ["head.kind=dflash", "head.block_size=4", "head.norm_output=true"],
             "head.kind=dflash: must be eagle3 or peagle for head.norm_output",
         ),
         (

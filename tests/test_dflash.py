@@ -18,7 +18,7 @@ from heads.dflash import DFlashConfig
 from heads.reference_decoder import BlockDraftState, DraftHead, DraftState, speculative_generate
 from target.model import default_aux_layer_ids
 from tests.helpers import DFLASH, random_draft, smoke_config, tiny_head_config
-from train.losses import block_forward, block_loss, loss_weights
+from train.losses import block_forward, block_loss, loss_weights, row_generators, sample_blocks
 
 
 def tiny_dflash_config(**overrides) -> DFlashConfig:
@@ -28,9 +28,10 @@ def tiny_dflash_config(**overrides) -> DFlashConfig:
     return tiny_head_config(DFlashConfig, **{**values, **overrides})
 
 
-def dense_block_attention(q_BNQD, k_BGQD, v_BGQD, ctx_k_BGSD, ctx_v_BGSD, starts_BM, causal):
+def dense_block_attention(q_BNQD, k_BGQD, v_BGQD, ctx_k_BGSD, ctx_v_BGSD, starts_BM, causal, lengths_BM=None):
     """The reference: every block's queries against [all context keys, all blocks' keys] under one dense
-    (Q x (S + Q)) mask - context positions < the block's start, its own block's keys (causally if asked)."""
+    (Q x (S + Q)) mask - context positions < the block's start, its own block's keys (causally if asked;
+    the first lengths[m] of block m's only, when given)."""
     b, n, q, d = q_BNQD.shape
     g, s, m = k_BGQD.shape[1], ctx_k_BGSD.shape[2], starts_BM.shape[1]
     j = q // m
@@ -42,7 +43,8 @@ def dense_block_attention(q_BNQD, k_BGQD, v_BGQD, ctx_k_BGSD, ctx_v_BGSD, starts
         for query in range(q):
             block, slot = divmod(query, j)
             visible[query, : int(starts_BM[row, block])] = True
-            own = range(block * j, block * j + (slot + 1 if causal else j))
+            length = j if lengths_BM is None else int(lengths_BM[row, block])
+            own = range(block * j, block * j + min(slot + 1 if causal else j, length))
             visible[query, [s + key for key in own]] = True
         scores = q_BNQD[row] @ keys[row].transpose(-1, -2) / math.sqrt(d)
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
@@ -51,15 +53,22 @@ def dense_block_attention(q_BNQD, k_BGQD, v_BGQD, ctx_k_BGSD, ctx_v_BGSD, starts
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_block_attention_equals_a_dense_mask(causal):
+@pytest.mark.parametrize("shorter", [False, True], ids=["full", "shorter_blocks"])
+def test_block_attention_equals_a_dense_mask(causal, shorter):
     torch.manual_seed(0)
     b, n, g, d, s, m, j = 2, 4, 2, 8, 11, 3, 4
     q = torch.randn(b, n, m * j, d)
     k, v = torch.randn(b, g, m * j, d), torch.randn(b, g, m * j, d)
     ctx_k, ctx_v = torch.randn(b, g, s, d), torch.randn(b, g, s, d)
     starts = torch.tensor([[1, 5, 9], [4, 0, 10]])  # a block at 0 sees no context, only itself
-    got = block_attention(q, k, v, ctx_k, ctx_v, starts, causal)
-    torch.testing.assert_close(got, dense_block_attention(q, k, v, ctx_k, ctx_v, starts, causal))
+    lengths = torch.tensor([[2, 4, 3], [4, 3, 2]]) if shorter else None
+    got = block_attention(q, k, v, ctx_k, ctx_v, starts, causal, lengths)
+    want = dense_block_attention(q, k, v, ctx_k, ctx_v, starts, causal, lengths)
+    # A block's slots from its length on are padding (no loss): compare the slots it has.
+    real_BQ = torch.ones(b, m * j, dtype=torch.bool)
+    if shorter:
+        real_BQ = (torch.arange(j) < lengths[..., None]).view(b, m * j)
+    torch.testing.assert_close(got.transpose(1, 2)[real_BQ], want.transpose(1, 2)[real_BQ])
 
 
 def test_each_block_sees_only_the_context_before_its_anchor():
@@ -104,21 +113,27 @@ def test_block_drafting_is_lossless(target_and_dflash):
         assert counts.num_draft_tokens == k * counts.num_drafts > 0
 
 
-def test_the_decoders_rounds_are_trainings_block_forward(target_and_dflash):
-    """Round after round (the cache growing by the verified positions), the decoder's drafts are the
-    argmaxes of training's block at the same anchor over the same target states."""
+@pytest.mark.parametrize("k", range(1, 8))
+def test_the_decoders_rounds_are_trainings_block_forward_at_every_k(target_and_dflash, k):
+    """Round after round (the cache growing by the verified positions), the decoder's k drafts are the
+    argmaxes of training's block of k + 1 tokens at the same anchor over the same target states - at every
+    k a head of block 8 may serve (blocks of 2..8 inside training's padded 8-token blocks)."""
     _, head = target_and_dflash
-    draft, k = head.draft, 7
+    draft = head.draft
     torch.manual_seed(1)
     ids, aux = torch.randint(0, 1024, (1, 24)), torch.randn(1, 24, 3, 256)
     starts = [5, 6, 11, 19]  # the pending token's position each round: 1, 5 and 8 positions verified
-    out_BMJH = block_forward(draft, ids, aux, torch.tensor([starts]))
+    lengths = torch.full((1, len(starts)), k + 1)
+    out_BMJH = block_forward(draft, ids, aux, torch.tensor([starts]), lengths)
     state, done = DraftState.of(head), 0
     for m, start in enumerate(starts):
         drafts = state.round(ids[0, :start].tolist(), int(ids[0, start]), aux[:, done:start], k)
         done = start
         assert state.length == start
-        assert drafts == draft.logits(out_BMJH[0, m, 1:]).argmax(-1).tolist()
+        assert drafts == draft.logits(out_BMJH[0, m, 1 : k + 1]).argmax(-1).tolist()
+    if k < 7:  # a full block of 8 is another block: a bidirectional slot sees the slots after it
+        full = block_forward(draft, ids, aux, torch.tensor([starts]))
+        assert not torch.allclose(full[0, :, 1 : k + 1], out_BMJH[0, :, 1 : k + 1], atol=1e-3)
 
 
 def test_an_overfit_learns_every_block_position():
@@ -140,13 +155,12 @@ def test_an_overfit_learns_every_block_position():
     optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
-        loss, _ = block_loss(
-            draft, batch, weights, lm_head_VH, torch.arange(40), 64, num_anchors=64, generator=generator
-        )
+        blocks = sample_blocks(batch, 64, (5, 5), row_generators(batch, generator))
+        loss, _ = block_loss(draft, batch, weights, lm_head_VH, torch.arange(40), 64, blocks=blocks)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    _, metrics = block_loss(draft, batch, weights, lm_head_VH, torch.arange(40), 64, num_anchors=64)
+    _, metrics = block_loss(draft, batch, weights, lm_head_VH, torch.arange(40), 64)
     assert [float(metrics[f"acc_{k}"]) for k in range(4)] == [1.0] * 4
     assert [int(metrics[f"num_valid_{k}"]) for k in range(4)] == [2 * (20 - k) for k in range(4)]
 
@@ -276,7 +290,12 @@ def test_vllm_drafts_a_dflash_head_at_the_reference_decoders_rate(regen_run, tmp
     assert served["accepted_per_position"] == report["reference"]["accepted_per_position"]
     assert report["parity"]["passed"] and report["num_identical_outputs"] == report["num_prompts"]
     card = (run_dir / "export" / "README.md").read_text()
-    assert '"method": "dflash"' in card and "DFlash" in card and "serve k <= 4" in card
+    assert '"method": "dflash"' in card and "DFlash" in card and "serve k in 1-4" in card
+    # Trained on blocks of 2..5: served with a shorter block (k=2) vLLM still drafts as the decoder does.
+    shorter = [*overrides[:-2], "export.num_speculative_tokens=2", "export.verify=true"]
+    report = export(smoke_config(run_dir, *shorter, experiment="smoke_regen"))["verification"]
+    assert report["parity"]["passed"] and report["num_speculative_tokens"] == 2
+    assert report["vllm"]["accepted_per_position"] == report["reference"]["accepted_per_position"]
 
 
 def smoke_target_config(run_dir):

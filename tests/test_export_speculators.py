@@ -24,7 +24,13 @@ speculators = pytest.importorskip("speculators")  # `make setup` installs it (--
 KINDS = {
     "eagle3": (),
     "peagle": ("head.kind=peagle", "head.num_layers=2", "head.mask_token_id=5"),
-    "dflash": ("head.kind=dflash", "head.num_layers=2", "head.block_size=5", "head.mask_token_id=5"),
+    "dflash": (
+        "head.kind=dflash",
+        "head.num_layers=2",
+        "head.block_size=5",
+        "head.mask_token_id=5",
+        "head.min_block_size=2",
+    ),
 }
 
 

@@ -224,7 +224,7 @@ def test_ttt_loss_aligns_teacher_with_tokens_and_weights_steps():
         outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
     for k in range(num_steps):
         logprobs = torch.log_softmax(model.logits(outs[k]).detach().float(), -1)
-        ces = []
+        ces, predictions = [], 0
         for i in range(2):
             for pos in range(t):
                 target_pos, predicted = pos + 1 + k, pos + 2 + k
@@ -232,12 +232,15 @@ def test_ttt_loss_aligns_teacher_with_tokens_and_weights_steps():
                     batch["loss_mask"][i, predicted] and batch["attention_mask"][i, predicted]
                 ):
                     continue
+                predictions += 1  # a prediction; a loss only where the target's argmax is a draft token
                 if logits_full[i, target_pos].argmax() not in draft_to_target:
                     continue
                 teacher = torch.softmax(logits_full[i, target_pos, draft_to_target], -1)
                 ces.append(-(teacher * logprobs[i, pos]).sum())
-        assert int(metrics[f"num_valid_{k}"]) == len(ces) > 0
-        torch.testing.assert_close(metrics[f"loss_{k}"], torch.stack(ces).mean(), rtol=1e-3, atol=1e-3)
+        assert int(metrics[f"num_valid_{k}"]) == len(ces) > 0 and int(metrics[f"num_pred_{k}"]) == predictions
+        assert predictions > len(ces)  # some targets outside the pruned vocabulary: they count, with loss 0
+        expected = torch.stack(ces).sum() / predictions
+        torch.testing.assert_close(metrics[f"loss_{k}"], expected, rtol=1e-3, atol=1e-3)
     weighted = sum(0.8**k * metrics[f"loss_{k}"] for k in range(num_steps))
     torch.testing.assert_close(total.detach(), weighted)
     names = ("loss", "acc", "num_valid", "chain_hits", "chain_total")

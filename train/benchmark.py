@@ -87,10 +87,10 @@ def set_num_ttt_steps(accelerator, model, num_steps: int) -> None:
 
 
 def train_step(accelerator, model, optimizer, batch, max_grad_norm: float) -> None:
-    """One optimizer step on one micro-batch, as `fit` runs it (loss over this batch's loss tokens)."""
-    denominator = batch["loss_mask"].sum().float().clamp(min=1)
+    """One optimizer step on one micro-batch, as `fit` runs it (each depth's loss the mean over this
+    batch's predictions)."""
     with accelerator.autocast():
-        loss, _ = model(batch, denominator)
+        loss, _ = model(batch)
         accelerator.backward(loss)
     accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()

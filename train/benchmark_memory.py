@@ -196,7 +196,6 @@ def child(args) -> dict:
             target = AutoModelForCausalLM.from_config(target_config, dtype=torch.bfloat16).eval()
         states = OnlineStates(target, aux_ids)
         del batch["aux_hidden"], batch["final_hidden"]
-    denominator = batch["loss_mask"].sum().float()
     before, _ = mark_memory(device)
     times = []
     for _ in range(args.steps):
@@ -207,7 +206,7 @@ def child(args) -> dict:
                 batch["input_ids"], batch["attention_mask"]
             )
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss, _ = model(step_batch, denominator)
+            loss, _ = model(step_batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
         optimizer.step()

@@ -153,9 +153,22 @@ def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | N
     return OnlineStates(load_model(cfg.target, device), train_split.manifest["aux_layer_ids"])
 
 
-def collate(samples: list[dict[str, torch.Tensor]], device, states: OnlineStates | None = None):
+def draw_seeds(seed: int, epoch: int, ids: list[int]) -> list[int]:
+    """One seed per sample for the loss's random draws (anchors, block lengths: train/losses.py
+    `row_generators`), from the run's seed, the epoch and the sample's index: a sample draws the same in
+    any batch, process or micro-batch, so that one process and two train the same."""
+    return [(((seed * 1_000_003) ^ (epoch * 7_919)) * 1_000_033 + i) % 2**62 for i in ids]
+
+
+def collate(
+    samples: list[dict[str, torch.Tensor]],
+    device,
+    states: OnlineStates | None = None,
+    seeds: list[int] | None = None,
+):
     """Right-pad samples from `CacheSplit` into one batch on `device`; hidden states as float32, from the
-    samples or, for a cache without them, from `states` (the target, online)."""
+    samples or, for a cache without them, from `states` (the target, online); `seeds` (`draw_seeds`) go
+    with it as draw_seeds [B] int64 on the CPU."""
     lengths = [len(s["input_ids"]) for s in samples]
     b, t = len(samples), max(lengths)
     batch = {
@@ -168,6 +181,8 @@ def collate(samples: list[dict[str, torch.Tensor]], device, states: OnlineStates
         batch["loss_mask"][row, :n] = sample["loss_mask"]
         batch["attention_mask"][row, :n] = True
     batch = {k: v.to(device) for k, v in batch.items()}
+    if seeds is not None:
+        batch["draw_seeds"] = torch.tensor(seeds, dtype=torch.int64)
     if "final_hidden" not in samples[0]:
         if states is None:
             raise ValueError("these samples hold no hidden states: collate needs the target (OnlineStates)")

@@ -181,13 +181,10 @@ def soft_ce_rows(model, out_CH: Tensor, probs_NVd: Tensor, rows_C: Tensor) -> tu
     return ce_sum, logits_CVd.argmax(-1) == teacher_CVd.argmax(-1)
 
 
-def draft_ce(
-    model, out_MH: Tensor, teacher: Teacher, rows_M: Tensor, denominator: Tensor | float | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`step_loss` of the draft's logits at M valid outputs against the teacher rows `rows_M`: (loss,
-    correct_M, num_valid), the logits computed LOGIT_BUDGET_BYTES at a time (see there)."""
+def draft_ce(model, out_MH: Tensor, teacher: Teacher, rows_M: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum of the soft cross-entropies, correct_M) of the draft's logits at M outputs against the teacher
+    rows `rows_M`, the logits computed LOGIT_BUDGET_BYTES at a time (see there)."""
     m, vd = rows_M.numel(), teacher.probs_NVd.shape[1]
-    num_valid = torch.tensor(m, device=out_MH.device)
     chunk = max(1, LOGIT_BUDGET_BYTES // (4 * vd))
     keep_graph = torch.is_grad_enabled() and out_MH.requires_grad and m > chunk
     ce_sum = out_MH.new_zeros((), dtype=torch.float32)
@@ -200,9 +197,56 @@ def draft_ce(
         )
         ce_sum = ce_sum + chunk_ce
         correct.append(chunk_correct)
-    if denominator is None:
-        denominator = num_valid.clamp(min=1)
-    return ce_sum / denominator, torch.cat(correct), num_valid
+    return ce_sum, torch.cat(correct)
+
+
+def position_loss(
+    metrics: dict[str, Tensor],
+    k: int,
+    ce_sum: Tensor,
+    correct: Tensor,
+    predictions: Tensor,
+    denominators: Tensor | None,
+) -> Tensor:
+    """Draft position k's loss term, the mean of its soft cross-entropy over the predictions it trains: the
+    sum over this batch divided by `denominators[k]` (the trainer's count over the whole global batch, so
+    that any split across processes and micro-batches gives the same gradient), or by this batch's own
+    `predictions` when None. Records loss_k, ce_sum_k, num_pred_k, num_valid_k and acc_k in `metrics`.
+
+    A prediction is a draft position the head is trained at (an answer token to predict, an anchor drawn);
+    it is valid - given a loss - when the target's argmax there is a draft token. Invalid ones add 0 to the
+    sum and 1 to the count, as in vLLM, where they are rejected drafts.
+    """
+    denominator = predictions.clamp(min=1) if denominators is None else denominators[k]
+    num_valid = torch.tensor(correct.numel(), device=ce_sum.device)
+    loss = ce_sum / denominator
+    metrics[f"loss_{k}"] = loss.detach()
+    metrics[f"ce_sum_{k}"] = ce_sum.detach()
+    metrics[f"num_pred_{k}"] = predictions
+    metrics[f"num_valid_{k}"] = num_valid
+    metrics[f"acc_{k}"] = correct.sum() / num_valid.clamp(min=1)
+    return loss
+
+
+class Anchors(NamedTuple):
+    """The anchors one later depth (P-EAGLE's COD) or the blocks (DFlash) train at: `index_BM` positions per
+    row, of which `keep_BM` are drawn (the rest pad the row to the batch's widest; they get no loss)."""
+
+    index_BM: Tensor
+    keep_BM: Tensor
+
+
+def depth_predictions(batch: dict[str, Tensor], step: int, anchors: Anchors | None = None) -> Tensor:
+    """[B, T] bool: the predictions of draft depth k (a TTT step, a P-EAGLE depth): anchor t (every
+    position, or those `anchors` keep) with x_{t+2+k} a real answer token. The depth's loss is their mean."""
+    loss_mask_BT = batch["loss_mask"].bool()
+    eligible_BT = step_valid_mask(
+        loss_mask_BT, torch.ones_like(loss_mask_BT), step, batch.get("attention_mask")
+    )
+    if anchors is None:
+        return eligible_BT
+    kept_BT = torch.zeros_like(eligible_BT).scatter_(1, anchors.index_BM, anchors.keep_BM)
+    return eligible_BT & kept_BT
 
 
 def depth_losses(
@@ -210,52 +254,51 @@ def depth_losses(
     outs: list[Tensor],
     batch: dict[str, Tensor],
     teacher: Teacher,
-    gamma: float,
-    denominator: Tensor | float | None = None,
-    anchors: list[Tensor | None] | None = None,
+    weights: list[float],
+    denominators: Tensor | None = None,
+    anchors: list[Anchors | None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """sum_k gamma^k loss_k and the metrics, from each depth's pre-norm outputs (TTT steps or P-EAGLE depths).
+    """sum_k weights[k] * loss_k and the metrics, from each depth's pre-norm outputs (TTT steps or P-EAGLE
+    depths); loss_k the mean over depth k's predictions (`position_loss`, `depth_predictions`).
 
-    outs[k] is [B, T, H] (every position an anchor) or, with anchors[k] = index_BM, [B, M, H] at those
-    anchor positions. Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
+    outs[k] is [B, T, H] (every position an anchor) or, with anchors[k], [B, M, H] at anchors[k].index_BM.
+    Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
     """
-    if not gamma > 0:
-        raise ValueError(f"gamma={gamma}: the weight of draft position k's loss (gamma^k) must be positive")
-    input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
-    attention_mask_BT, in_draft_BT = batch.get("attention_mask"), teacher.in_draft_BT
-    total = torch.zeros((), device=input_ids_BT.device)
+    in_draft_BT = teacher.in_draft_BT
+    total = torch.zeros((), device=in_draft_BT.device)
     metrics: dict[str, torch.Tensor] = {}
     correct, eligible = [], []
     for step, out_BMH in enumerate(outs):
-        index_BM = anchors[step] if anchors is not None else None
-        valid_BT = step_valid_mask(loss_mask_BT, in_draft_BT, step, attention_mask_BT)
+        depth_anchors = anchors[step] if anchors is not None else None
         # Eligible for the acceptance estimate: an assistant token to predict, whatever the target's argmax.
-        eligible_BT = step_valid_mask(loss_mask_BT, torch.ones_like(in_draft_BT), step, attention_mask_BT)
-        if index_BM is None:
+        eligible_BT = depth_predictions(batch, step, depth_anchors)
+        valid_BT = eligible_BT & shift_left(in_draft_BT, 1 + step, False)
+        if depth_anchors is None:
             batch_M, pos_M = valid_BT.nonzero(as_tuple=True)
             row_M = pos_M
         else:
-            selected_BT = torch.zeros_like(valid_BT).scatter_(1, index_BM, True)
-            valid_BT, eligible_BT = valid_BT & selected_BT, eligible_BT & selected_BT
-            batch_M, row_M = valid_BT.gather(1, index_BM).nonzero(as_tuple=True)
-            pos_M = index_BM[batch_M, row_M]
+            batch_M, row_M = valid_BT.gather(1, depth_anchors.index_BM).nonzero(as_tuple=True)
+            pos_M = depth_anchors.index_BM[batch_M, row_M]
         # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
         # (answer tokens; never where t+2+k runs past the end): prompt positions cost no lm_head work.
-        loss, correct_M, num_valid = draft_ce(
-            model, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step], denominator
+        ce_sum, correct_M = draft_ce(
+            model, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step]
         )
         correct_BT = torch.zeros_like(valid_BT)
         correct_BT[batch_M, pos_M] = correct_M
-        total = total + gamma**step * loss
-        metrics[f"loss_{step}"] = loss.detach()
-        metrics[f"acc_{step}"] = correct_BT.sum() / num_valid.clamp(min=1)
-        metrics[f"num_valid_{step}"] = num_valid
+        loss = position_loss(metrics, step, ce_sum, correct_M, eligible_BT.sum(), denominators)
+        total = total + weights[step] * loss
         correct.append(correct_BT)
         eligible.append(eligible_BT)
-    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
-    for step in range(len(outs)):
-        metrics[f"chain_hits_{step}"], metrics[f"chain_total_{step}"] = hits_K[step], totals_K[step]
+    add_chain_counts(metrics, correct, eligible)
     return total, metrics
+
+
+def add_chain_counts(metrics: dict[str, Tensor], correct: list[Tensor], eligible: list[Tensor]) -> None:
+    """chain_hits_k / chain_total_k (the positions before k all right, as vLLM accepts) into `metrics`."""
+    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
+    for k in range(len(correct)):
+        metrics[f"chain_hits_{k}"], metrics[f"chain_total_{k}"] = hits_K[k], totals_K[k]
 
 
 def batch_teacher(
@@ -275,54 +318,95 @@ def ttt_loss(
     target_lm_head: torch.Tensor,
     draft_to_target: torch.Tensor,
     chunk_size: int,
-    denominator: torch.Tensor | float | None = None,
+    denominators: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: see `step_loss` for `denominator`).
+    """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: `position_loss`, its denominators).
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
     optional attention_mask [B, T] (1 = real token; without it every position is real).
-    Metrics (detached tensors), per step k: loss_k; acc_k and num_valid_k over the positions with a loss;
-    chain_hits_k / chain_total_k, counts for `conditional_accuracies` where a target argmax outside the
-    draft vocabulary counts as a miss (as in vLLM), not as skipped.
+    Metrics (detached tensors), per step k: loss_k, ce_sum_k and num_pred_k (its mean's sum and count);
+    acc_k and num_valid_k over the positions with a loss; chain_hits_k / chain_total_k, counts for
+    `conditional_accuracies` where a target argmax outside the draft vocabulary counts as a miss (as in
+    vLLM), not as skipped.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
+    weights = depth_weights(gamma, num_steps)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
-    return depth_losses(model, outs, batch, teacher, gamma, denominator)
+    return depth_losses(model, outs, batch, teacher, weights, denominators)
 
 
-def wanted_first(wanted_BT: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """[B, T] positions in one random order per row that puts the wanted ones first (anchor draws)."""
-    noise_BT = torch.rand(wanted_BT.shape, generator=generator, device="cpu").to(wanted_BT.device)
-    return torch.argsort(noise_BT + (~wanted_BT).float(), dim=1)
+def depth_weights(gamma: float, num_steps: int) -> list[float]:
+    """gamma^k, the weight of draft position k's mean loss (EAGLE-3's TTT steps, P-EAGLE's depths)."""
+    if not gamma > 0:
+        raise ValueError(f"gamma={gamma}: the weight of draft position k's loss (gamma^k) must be positive")
+    return [gamma**k for k in range(num_steps)]
+
+
+def row_generators(
+    batch: dict[str, Tensor], generator: torch.Generator | None = None
+) -> list[torch.Generator]:
+    """One CPU generator per row for the loss's random draws (anchors, block lengths), seeded from the
+    batch's `draw_seeds` (one per sample: `train.data.draw_seeds`), so that what is drawn for a sample does
+    not depend on the batch, process or micro-batch it came in; without them, from `generator` (or the
+    global RNG)."""
+    if "draw_seeds" in batch:
+        seeds = [int(s) for s in batch["draw_seeds"].tolist()]
+    else:
+        seeds = torch.randint(2**62, (batch["loss_mask"].shape[0],), generator=generator).tolist()
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+
+def wanted_first(
+    wanted_BT: Tensor, generators: list[torch.Generator], real_BT: Tensor | None = None
+) -> Tensor:
+    """[B, T] positions in one random order per row that puts the wanted ones first, then the row's other
+    real positions, then its padding (anchor draws). Row b's order comes from generators[b] alone, drawn
+    over its real length only: the same sample draws the same order however it is padded."""
+    b, t = wanted_BT.shape
+    lengths = [t] * b if real_BT is None else real_BT.sum(1).tolist()
+    noise_BT = torch.ones(b, t)
+    for row, (generator, n) in enumerate(zip(generators, lengths)):
+        noise_BT[row, : int(n)] = torch.rand(int(n), generator=generator)
+    return torch.argsort(noise_BT.to(wanted_BT.device) + (~wanted_BT).float(), dim=1, stable=True)
+
+
+def kept_first(counts_B: Tensor) -> Tensor:
+    """[B, M] bool, M = max(1, the largest count): row b keeps its first counts[b] entries."""
+    m = max(1, int(counts_B.max())) if counts_B.numel() else 1
+    return torch.arange(m, device=counts_B.device) < counts_B[:, None]
 
 
 def cod_anchors(
-    loss_mask_BT: Tensor, num_depths: int, ratio: float, generator: torch.Generator | None = None
-) -> list[Tensor | None]:
-    """Anchor indices [B, M_d] per depth (None at depth 0: every position), nested: depth d keeps the first
-    M_d = ceil(n * ratio^d) of one random order per row that puts anchors with an answer token to
-    predict first (n: the most such anchors in a row). ratio >= 1 keeps every anchor at every depth."""
+    batch: dict[str, Tensor], num_depths: int, ratio: float, generators: list[torch.Generator]
+) -> list[Anchors | None]:
+    """The anchors of each depth (None at depth 0: every position), nested: row b keeps at depth d the
+    first ceil(n_b * ratio^d) of its own random order of its n_b anchors with an answer token to predict
+    (x_{t+2}). ratio >= 1 keeps every anchor at every depth."""
     if not 0 < ratio <= 1:
         raise ValueError(f"cod_ratio={ratio}: must be in (0, 1]")
     if ratio == 1:
         return [None] * num_depths
-    wanted_BT = shift_left(loss_mask_BT.bool(), 2, False)
-    order_BT = wanted_first(wanted_BT, generator)
-    n = max(1, int(wanted_BT.sum(1).max()))
-    return [None] + [order_BT[:, : max(1, math.ceil(n * ratio**d))] for d in range(1, num_depths)]
+    wanted_BT = shift_left(batch["loss_mask"].bool(), 2, False)
+    order_BT = wanted_first(wanted_BT, generators, batch.get("attention_mask"))
+    wanted_B = wanted_BT.sum(1)
+    anchors: list[Anchors | None] = [None]
+    for d in range(1, num_depths):
+        keep_BM = kept_first(torch.ceil(wanted_B * ratio**d).long())
+        anchors.append(Anchors(order_BT[:, : keep_BM.shape[1]], keep_BM))
+    return anchors
 
 
 def parallel_forward(
-    model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, anchors: list[Tensor | None]
+    model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, anchors: list[Anchors | None]
 ) -> list[Tensor]:
-    """The last layer's pre-norm outputs per depth: depth 0 [B, T, H]; depth d >= 1 [B, M_d, H] at the
-    anchors `anchors[d]` ([B, M_d] indices, nested; None: all T positions). One call of the head's forward
-    per depth; the cache gives depth d the real keys up to its anchor and the slots of depths 1..d there."""
+    """The last layer's pre-norm outputs per depth: depth 0 [B, T, H]; depth d >= 1 [B, M_d, H] at
+    anchors[d].index_BM (nested; None: all T positions). One call of the head's forward per depth; the cache
+    gives depth d the real keys up to its anchor and the slots of depths 1..d there."""
     b, t = input_ids_BT.shape
     positions_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
-    index = [a if a is not None else positions_BT for a in anchors]
+    index = [a.index_BM if a is not None else positions_BT for a in anchors]
     cache = KVCache(len(model.layers), steps=True)
     # Depth 0 is EAGLE-3's step 0 (the next token beside the aux states).
     outs = [model(shift_left(input_ids_BT, 1), model.target_hidden(aux_BTAH), index[0], cache, index[0])]
@@ -343,44 +427,86 @@ def parallel_loss(
     target_lm_head: Tensor,
     draft_to_target: Tensor,
     chunk_size: int,
-    denominator: Tensor | float | None = None,
-    cod_ratio: float = 1.0,
-    generator: torch.Generator | None = None,
+    denominators: Tensor | None = None,
+    anchors: list[Anchors | None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """total = sum_d gamma^d loss_d over the K parallel depths; the batch and metrics as `ttt_loss`'s."""
+    """total = sum_d gamma^d loss_d over the K parallel depths, each the mean over its anchors (`anchors`,
+    `cod_anchors`'; None: every anchor at every depth); the batch and metrics as `ttt_loss`'s."""
     if num_depths < 1:
         raise ValueError(f"num_depths={num_depths}: parallel drafting needs at least one depth")
     if not model.config.parallel_drafting:
         raise ValueError("parallel_loss needs a head with a mask_token_id (head.kind=peagle)")
-    anchors = cod_anchors(batch["loss_mask"], num_depths, cod_ratio, generator)
+    anchors = anchors or [None] * num_depths
+    weights = depth_weights(gamma, num_depths)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
-    return depth_losses(model, outs, batch, teacher, gamma, denominator, anchors)
+    return depth_losses(model, outs, batch, teacher, weights, denominators, anchors)
 
 
-def sample_anchors(
-    loss_mask_BT: Tensor, num_anchors: int, generator: torch.Generator | None = None
-) -> tuple[Tensor, Tensor]:
-    """(anchors_BM, real_BM): up to `num_anchors` random anchor positions per row, among the positions
-    a >= 1 whose next token x_{a+1} is an answer token (a block needs some context before its anchor and an
-    answer to predict); M = min(num_anchors, the most such positions in a row); a row with fewer has its
-    spare anchors marked not real (their slots get no loss)."""
+class Blocks(NamedTuple):
+    """The DFlash blocks of a batch: anchors `index_BM` per row (`keep_BM` drawn, the rest pad the row),
+    each block `lengths_BM` tokens long (the anchor and lengths - 1 mask slots; at most head.block_size)."""
+
+    index_BM: Tensor
+    keep_BM: Tensor
+    lengths_BM: Tensor
+
+
+def sample_blocks(
+    batch: dict[str, Tensor],
+    num_anchors: int,
+    lengths: tuple[int, int],
+    generators: list[torch.Generator],
+) -> Blocks:
+    """Up to `num_anchors` random anchors per row, among the positions a >= 1 whose next token x_{a+1} is
+    an answer token (a block needs some context before its anchor and an answer to predict), each block's
+    length uniform in lengths = (shortest, longest). Row b's draws come from generators[b] alone."""
     if num_anchors < 1:
         raise ValueError(f"num_anchors={num_anchors}: a block loss needs at least one anchor per sequence")
-    wanted_BT = shift_left(loss_mask_BT.bool(), 1, False)
+    shortest, longest = lengths
+    wanted_BT = shift_left(batch["loss_mask"].bool(), 1, False)
     wanted_BT[:, 0] = False
-    m = max(1, min(num_anchors, int(wanted_BT.sum(1).max())))
-    anchors_BM = wanted_first(wanted_BT, generator)[:, :m]
-    return anchors_BM, wanted_BT.gather(1, anchors_BM)
+    order_BT = wanted_first(wanted_BT, generators, batch.get("attention_mask"))
+    keep_BM = kept_first(wanted_BT.sum(1).clamp(max=num_anchors))
+    lengths_BM = torch.full(keep_BM.shape, longest, dtype=torch.int64)
+    if shortest < longest:
+        for row, (generator, n) in enumerate(zip(generators, keep_BM.sum(1).tolist())):
+            lengths_BM[row, :n] = torch.randint(shortest, longest + 1, (n,), generator=generator)
+    return Blocks(order_BT[:, : keep_BM.shape[1]], keep_BM, lengths_BM.to(wanted_BT.device))
 
 
-def block_forward(model: DFlashDraft, input_ids_BT: Tensor, aux_BTAH: Tensor, anchors_BM: Tensor) -> Tensor:
-    """Pre-norm outputs [B, M, J, H] of one block per anchor: [x_a, mask x (J-1)] at positions a..a+J-1,
-    in one call of the head's forward over the whole batch's context."""
+def block_forward(
+    model: DFlashDraft,
+    input_ids_BT: Tensor,
+    aux_BTAH: Tensor,
+    anchors_BM: Tensor,
+    lengths_BM: Tensor | None = None,
+) -> Tensor:
+    """Pre-norm outputs [B, M, J, H] of one block per anchor: [x_a, mask x (J-1)] at positions a..a+J-1
+    (J = head.block_size), in one call of the head's forward over the whole batch's context; a block
+    shorter than J (`lengths_BM`) is served as one: its tokens see none of the slots after it."""
     j = model.config.block_size
     block_ids_BMJ = torch.full((*anchors_BM.shape, j), model.config.mask_token_id, device=input_ids_BT.device)
     block_ids_BMJ[..., 0] = input_ids_BT.gather(1, anchors_BM)
-    return model(block_ids_BMJ, anchors_BM, model.target_hidden(aux_BTAH))
+    if lengths_BM is not None and not bool((lengths_BM < j).any()):
+        lengths_BM = None  # full blocks: nothing to hide
+    return model(block_ids_BMJ, anchors_BM, model.target_hidden(aux_BTAH), lengths_BM=lengths_BM)
+
+
+def slot_predictions(batch: dict[str, Tensor], blocks: Blocks, k: int) -> tuple[Tensor, Tensor]:
+    """(position_BM, predictions_BM): where mask slot k+1 of each block sits (a+k+1, clamped to the batch),
+    and whether it is a prediction slot k trains - a drawn anchor whose block reaches that slot and a real
+    answer token there. Slot k's loss is their mean."""
+    loss_mask_BT = batch["loss_mask"].bool()
+    attention_mask_BT = batch.get("attention_mask")
+    t = loss_mask_BT.shape[1]
+    position_BM = blocks.index_BM + k + 1
+    inside_BM = (position_BM < t) & (blocks.lengths_BM > k + 1) & blocks.keep_BM
+    position_BM = position_BM.clamp(max=t - 1)
+    answer_BM = loss_mask_BT.gather(1, position_BM)
+    if attention_mask_BT is not None:
+        answer_BM &= attention_mask_BT.bool().gather(1, position_BM)
+    return position_BM, answer_BM & inside_BM
 
 
 def block_loss(
@@ -390,52 +516,44 @@ def block_loss(
     target_lm_head: Tensor,
     draft_to_target: Tensor,
     chunk_size: int,
-    denominator: Tensor | float | None = None,
-    num_anchors: int = 512,
-    generator: torch.Generator | None = None,
+    denominators: Tensor | None = None,
+    blocks: Blocks | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """total = sum_k weights[k] * loss_k over the block's K = block_size - 1 mask slots; the batch and the
-    metrics as `ttt_loss`'s, per slot (`chain_*_k`: the slots before k all right, as vLLM accepts)."""
+    """total = sum_k weights[k] * loss_k over the block's K = block_size - 1 mask slots, loss_k the mean
+    over slot k's predictions (`slot_predictions`; `blocks` None: `sample_blocks` of full blocks, 512
+    anchors); the batch and the metrics as `ttt_loss`'s, per slot (`chain_*_k`: the slots before k all
+    right, as vLLM accepts)."""
     num_slots = model.config.block_size - 1
     if len(weights) != num_slots:
         raise ValueError(f"{len(weights)} loss weights for {num_slots} mask slots")
-    input_ids_BT, loss_mask_BT = batch["input_ids"], batch["loss_mask"].bool()
-    attention_mask_BT = batch.get("attention_mask")
-    real_BT = torch.ones_like(loss_mask_BT) if attention_mask_BT is None else attention_mask_BT.bool()
-    t = input_ids_BT.shape[1]
-    anchors_BM, anchor_real_BM = sample_anchors(loss_mask_BT, num_anchors, generator)
+    if blocks is None:
+        block = model.config.block_size
+        blocks = sample_blocks(batch, 512, (block, block), row_generators(batch))
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
-    out_BMJH = block_forward(model, input_ids_BT, batch["aux_hidden"], anchors_BM)
-    total = torch.zeros((), device=input_ids_BT.device)
+    out_BMJH = block_forward(
+        model, batch["input_ids"], batch["aux_hidden"], blocks.index_BM, blocks.lengths_BM
+    )
+    total = torch.zeros((), device=out_BMJH.device)
     metrics: dict[str, Tensor] = {}
     correct, eligible = [], []
     for k in range(num_slots):
         # Slot k+1 of the block sits at a+k+1 and predicts the token there; its teacher is the target at a+k.
-        position_BM = anchors_BM + k + 1
-        inside_BM = position_BM < t
-        position_BM = position_BM.clamp(max=t - 1)
-        answer_BM = loss_mask_BT.gather(1, position_BM) & real_BT.gather(1, position_BM) & inside_BM
-        eligible_BM = answer_BM & anchor_real_BM
+        position_BM, eligible_BM = slot_predictions(batch, blocks, k)
         valid_BM = eligible_BM & teacher.in_draft_BT.gather(1, position_BM - 1)
         batch_R, row_R = valid_BM.nonzero(as_tuple=True)
-        loss, correct_R, num_valid = draft_ce(
+        ce_sum, correct_R = draft_ce(
             model,
             out_BMJH[batch_R, row_R, k + 1],
             teacher,
             teacher.row_BT[batch_R, position_BM[batch_R, row_R] - 1],
-            denominator,
         )
         correct_BM = torch.zeros_like(valid_BM)
         correct_BM[batch_R, row_R] = correct_R
+        loss = position_loss(metrics, k, ce_sum, correct_R, eligible_BM.sum(), denominators)
         total = total + weights[k] * loss
-        metrics[f"loss_{k}"] = loss.detach()
-        metrics[f"acc_{k}"] = correct_BM.sum() / num_valid.clamp(min=1)
-        metrics[f"num_valid_{k}"] = num_valid
         correct.append(correct_BM)
         eligible.append(eligible_BM)
-    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
-    for k in range(num_slots):
-        metrics[f"chain_hits_{k}"], metrics[f"chain_total_{k}"] = hits_K[k], totals_K[k]
+    add_chain_counts(metrics, correct, eligible)
     return total, metrics
 
 
@@ -444,7 +562,7 @@ def loss_weights(head_cfg, num_steps: int) -> list[float]:
     exp(-k / loss_decay) over its mask slots (arXiv 2602.06036)."""
     if head_cfg.kind == "dflash":
         return [math.exp(-k / head_cfg.loss_decay) for k in range(num_steps)]
-    return [head_cfg.gamma**k for k in range(num_steps)]
+    return depth_weights(head_cfg.gamma, num_steps)
 
 
 def add_feature_noise(

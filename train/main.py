@@ -46,6 +46,7 @@ from train.data import (
     check_cache_matches_target,
     collate,
     count_steps,
+    draw_seeds,
     online_states,
     plan_epoch,
     train_lengths,
@@ -217,29 +218,40 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
                 break
             step_start = time.perf_counter()
             batches = [
-                collate([train_split[i] for i in ids], accelerator.device, setup.states)
+                collate(
+                    [train_split[i] for i in ids],
+                    accelerator.device,
+                    setup.states,
+                    draw_seeds(cfg.seed, epoch, ids),
+                )
                 for ids in micro_batches[rank]
             ]
-            # Normalise by the loss tokens of the whole global batch: any split across processes and
-            # micro-batches then gives the same gradient (DDP averages, hence the factor world).
+            # Each depth's loss is a mean over its predictions in the whole global batch: count them first
+            # (the draws made now, before any forward), so that any split across processes and micro-batches
+            # gives the same gradient (DDP averages, hence the factor world).
+            head = accelerator.unwrap_model(model)
+            draws = [head.draw(batch) for batch in batches]
             counts = accelerator.reduce(
-                torch.stack(
-                    [sum(b[k].sum() for b in batches).float() for k in ("loss_mask", "attention_mask")]
+                torch.cat(
+                    [
+                        sum(head.prediction_counts(b, d) for b, d in zip(batches, draws)).float(),
+                        sum(b["attention_mask"].sum() for b in batches).float().view(1),
+                    ]
                 ),
                 "sum",
             )
-            denominator, step_tokens = counts[0].clamp(min=1) / world, int(counts[1])
+            denominators, step_tokens = counts[:num_ttt].clamp(min=1) / world, int(counts[num_ttt])
             window_tokens += step_tokens
-            sums = torch.zeros(3, num_ttt, device=accelerator.device)  # per depth: loss sum, valid, correct
-            for index, batch in enumerate(batches):
+            sums = torch.zeros(4, num_ttt, device=accelerator.device)  # per depth: see add_step_metrics
+            for index, (batch, batch_draws) in enumerate(zip(batches, draws)):
                 sync = index == len(batches) - 1
                 if deepspeed:  # DeepSpeed steps (and clips) inside backward at the accumulation boundary
                     accelerator.gradient_state._set_sync_gradients(sync)
                 with accelerator.autocast(), accelerator.no_sync(model) if not sync else nullcontext():
-                    loss, metrics = model(batch, denominator)
+                    loss, metrics = model(batch, denominators, batch_draws)
                     # DeepSpeed divides by its accumulation steps; the loss is already a global-batch mean.
                     accelerator.backward(loss * accumulation if deepspeed else loss)
-                add_step_metrics(sums, metrics, denominator)
+                add_step_metrics(sums, metrics)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             sums = accelerator.reduce(sums, "sum")
             total_loss = weighted_loss(sums, loss_weights(cfg.head, num_ttt))

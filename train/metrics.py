@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from artifacts.cache import CacheSplit
 from heads.acceptance import conditional_accuracies, expected_acceptance_length
 from train.checkpoint import checkpoint_dirs
-from train.data import collate
+from train.data import collate, draw_seeds
 
 log = logging.getLogger("train")  # the loop's own logger: its lines read `train: ...`
 
@@ -40,18 +40,28 @@ def start_trackers(accelerator, cfg, cache_manifest: dict, run_dir: Path) -> Non
     )
 
 
-def add_step_metrics(sums_3K: torch.Tensor, metrics: dict, denominator: torch.Tensor) -> None:
-    """Add one micro-batch's loss sum, valid positions and correct drafts at each depth k to `sums_3K`."""
-    for k in range(sums_3K.shape[1]):
+def add_step_metrics(sums_4K: torch.Tensor, metrics: dict) -> None:
+    """Add one micro-batch's counts at each depth k to `sums_4K`: the rows are the soft cross-entropy summed
+    over its predictions, the predictions (its mean's count), the correct drafts and the valid positions
+    (the target's argmax a draft token: accuracy's count)."""
+    for k in range(sums_4K.shape[1]):
         n = metrics[f"num_valid_{k}"].float()
-        sums_3K[:, k] += torch.stack([metrics[f"loss_{k}"] * denominator, n, metrics[f"acc_{k}"] * n])
+        sums_4K[:, k] += torch.stack(
+            [metrics[f"ce_sum_{k}"].float(), metrics[f"num_pred_{k}"].float(), metrics[f"acc_{k}"] * n, n]
+        )
 
 
-def weighted_loss(sums_3K: torch.Tensor, weights: list[float]) -> float:
+def depth_means(sums_4K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_K, acc_K): each depth's loss, the mean over its predictions, and its accuracy over its valid
+    positions, from `add_step_metrics` sums."""
+    return sums_4K[0] / sums_4K[1].clamp(min=1), sums_4K[2] / sums_4K[3].clamp(min=1)
+
+
+def weighted_loss(sums_4K: torch.Tensor, weights: list[float]) -> float:
     """The step's loss as the objective weighs it: the mean at depth k, weighted weights[k] (train/losses.py
     `loss_weights`), summed."""
-    weights_K = torch.tensor(weights, device=sums_3K.device)
-    return float((sums_3K[0] / sums_3K[1].clamp(min=1) * weights_K).sum())
+    weights_K = torch.tensor(weights, device=sums_4K.device)
+    return float((depth_means(sums_4K)[0] * weights_K).sum())
 
 
 # fp16's loss scaler starts high and halves after each overflow: a few skipped steps are how it finds its
@@ -88,20 +98,18 @@ def append_record(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def train_record(sums_3K: torch.Tensor, loss: float, lr: float, grad_norm, tok_per_s: float) -> dict:
+def train_record(sums_4K: torch.Tensor, loss: float, lr: float, grad_norm, tok_per_s: float) -> dict:
     """The `train/*` metrics of a step: loss, learning rate, gradient norm, throughput, and the loss and
     accuracy at each depth."""
-    num_depths = sums_3K.shape[1]
+    loss_K, acc_K = depth_means(sums_4K)
     record = {
         "train/loss": loss,
         "train/lr": lr,
         "train/grad_norm": float(grad_norm),
         "train/tok_per_s": tok_per_s,
     }
-    record |= {
-        f"train/loss_{k}": float(sums_3K[0, k] / sums_3K[1, k].clamp(min=1)) for k in range(num_depths)
-    }
-    record |= {f"train/acc_{k}": float(sums_3K[2, k] / sums_3K[1, k].clamp(min=1)) for k in range(num_depths)}
+    record |= {f"train/loss_{k}": float(loss_K[k]) for k in range(len(loss_K))}
+    record |= {f"train/acc_{k}": float(acc_K[k]) for k in range(len(acc_K))}
     return record
 
 
@@ -139,7 +147,7 @@ def evaluate(
     if not len(eval_split):
         return None
     model.eval()
-    sums = torch.zeros(3, num_steps, device=accelerator.device)  # per step: ce sum, valid, correct
+    sums = torch.zeros(4, num_steps, device=accelerator.device)  # per depth: see add_step_metrics
     chain = torch.zeros(2, num_steps, device=accelerator.device)  # per depth: chain hits, chain totals
     world = accelerator.num_processes
     mine = list(range(accelerator.process_index, len(eval_split), world))
@@ -149,23 +157,26 @@ def evaluate(
     num_batches = math.ceil(math.ceil(len(eval_split) / world) / batch_size)
     for index in range(num_batches):
         ids = mine[index * batch_size : (index + 1) * batch_size]
-        samples = [eval_split[i] for i in (ids or mine[:batch_size] or [0])]
-        batch = collate(samples, accelerator.device, states)
+        batch_ids = ids or mine[:batch_size] or [0]
+        # Fixed draws per held-out sample (seeded by its index): the same anchors at every evaluation.
+        batch = collate(
+            [eval_split[i] for i in batch_ids], accelerator.device, states, draw_seeds(-1, 0, batch_ids)
+        )
         with accelerator.autocast():
-            _, metrics = model(batch, denominator=1.0)  # per-step sums
+            _, metrics = model(batch)
         if not ids:
             continue
+        add_step_metrics(sums, metrics)
         for k in range(num_steps):
-            n = metrics[f"num_valid_{k}"].float()
-            sums[:, k] += torch.stack([metrics[f"loss_{k}"].float(), n, metrics[f"acc_{k}"].float() * n])
             chain[:, k] += torch.stack(
                 [metrics[f"chain_hits_{k}"].float(), metrics[f"chain_total_{k}"].float()]
             )
     sums, chain = accelerator.reduce(sums, "sum"), accelerator.reduce(chain, "sum")
     model.train()
     cond = conditional_accuracies(chain[0].long().cpu(), chain[1].long().cpu())
-    result = {f"eval/loss_{k}": float(sums[0, k] / sums[1, k].clamp(min=1)) for k in range(num_steps)}
-    result |= {f"eval/acc_{k}": float(sums[2, k] / sums[1, k].clamp(min=1)) for k in range(num_steps)}
+    loss_K, acc_K = depth_means(sums)
+    result = {f"eval/loss_{k}": float(loss_K[k]) for k in range(num_steps)}
+    result |= {f"eval/acc_{k}": float(acc_K[k]) for k in range(num_steps)}
     result |= {f"eval/cond_acc_{k}": cond[k] for k in range(num_steps)}
     result |= {f"eval/accept_len_k{n}": expected_acceptance_length(cond[:n]) for n in range(1, num_steps + 1)}
     return result

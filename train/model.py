@@ -4,7 +4,7 @@ DeepSpeed see a single forward.
 
     draft = build_draft(cfg, target_config, cache_manifest, vocab)
     model = DraftWithLoss(draft, target_lm_head_VH, vocab.draft_to_target, cfg)
-    loss, metrics = model(batch, denominator)
+    loss, metrics = model(batch, denominators)    # denominators [K]: each depth's predictions
 """
 
 from __future__ import annotations
@@ -12,23 +12,39 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-from artifacts.config import trained_depths
+from artifacts.config import trained_block_lengths, trained_depths
 from heads.dflash import DFlashConfig, DFlashDraft
 from heads.eagle1 import Eagle1Config, Eagle1Draft
 from heads.eagle3 import NORM_FLAGS, Eagle3Config, Eagle3Draft
 from heads.head_file import HeadRecord
 from heads.kinds import head_kind
 from target.model import load_final_norm
-from train.losses import block_loss, eagle1_loss, loss_weights, parallel_loss, ttt_loss
+from train.losses import (
+    Anchors,
+    Blocks,
+    block_loss,
+    cod_anchors,
+    depth_predictions,
+    eagle1_loss,
+    loss_weights,
+    parallel_loss,
+    row_generators,
+    sample_blocks,
+    slot_predictions,
+    ttt_loss,
+)
 
 
 class DraftWithLoss(torch.nn.Module):
     """The head plus its objective in one forward, so DDP / DeepSpeed see a single module call.
 
     EAGLE-3: the TTT loss. P-EAGLE: the parallel-drafting loss, with COD subsampling while training only
-    (held-out metrics see every anchor). DFlash: the block loss, its anchors drawn from the global RNG while
-    training (restored on resume) and from a fixed seed for held-out metrics. `head.aux_noise` perturbs the
-    aux states while training only.
+    (held-out metrics see every anchor). DFlash: the block loss, blocks of random lengths in
+    [head.min_block_size, head.block_size] while training and of the served length
+    (export.num_speculative_tokens + 1) for held-out metrics. What is drawn at random (anchors, block
+    lengths) is drawn per sample (`draw`) before the forward, so that the trainer can count every depth's
+    predictions over the global batch first (`prediction_counts`): each depth's loss is their mean.
+    `head.aux_noise` perturbs the aux states while training only.
     EAGLE-1: feature regression + soft CE, reported as one step (loss_0, acc_0) so the loop treats all
     alike. The losses: train/losses.py.
     """
@@ -48,8 +64,37 @@ class DraftWithLoss(torch.nn.Module):
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
         self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
         self.seed = cfg.seed
+        if self.kind == "dflash":
+            self.trained_lengths = trained_block_lengths(cfg.head)
+            self.served_length = cfg.export.num_speculative_tokens + 1
 
-    def forward(self, batch, denominator=None):
+    def draw(self, batch: dict) -> list[Anchors | None] | Blocks | None:
+        """The random choices of this batch's loss (P-EAGLE's COD anchors, DFlash's blocks; None for the
+        others), per sample from the batch's `draw_seeds`, or from the run's seed for held-out metrics."""
+        generator = None if self.training else torch.Generator().manual_seed(self.seed)
+        if self.kind == "peagle":
+            ratio = self.head_cfg.cod_ratio if self.training else 1.0
+            return cod_anchors(batch, self.num_steps, ratio, row_generators(batch, generator))
+        if self.kind == "dflash":
+            lengths = self.trained_lengths if self.training else (self.served_length,) * 2
+            return sample_blocks(batch, self.head_cfg.num_anchors, lengths, row_generators(batch, generator))
+        return None
+
+    def prediction_counts(self, batch: dict, draws) -> torch.Tensor:
+        """[K] int64: the predictions each depth's loss is a mean over (`depth_predictions`,
+        `slot_predictions`), in this batch with these draws."""
+        if self.kind == "dflash":
+            counts = [slot_predictions(batch, draws, k)[1].sum() for k in range(self.num_steps)]
+        else:
+            anchors = draws if self.kind == "peagle" else [None] * self.num_steps
+            counts = [depth_predictions(batch, k, anchors[k]).sum() for k in range(self.num_steps)]
+        return torch.stack(counts)
+
+    def forward(self, batch, denominators=None, draws=None):
+        """(loss, metrics): each depth's loss the sum over its predictions divided by denominators[k], or
+        their mean in this batch when None; `draws` from `draw` (None: drawn here)."""
+        if draws is None:
+            draws = self.draw(batch)
         if self.aux_index is not None:
             batch = {**batch, "aux_hidden": batch["aux_hidden"][:, :, self.aux_index]}
         if self.training and self.head_cfg.aux_noise and "aux_hidden" in batch:
@@ -59,30 +104,33 @@ class DraftWithLoss(torch.nn.Module):
         if self.kind == "peagle":
             return parallel_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominator,
-                cod_ratio=self.head_cfg.cod_ratio if self.training else 1.0,
+                self.draft_to_target, self.chunk_size, denominators, draws,
             )  # fmt: skip
         if self.kind == "dflash":
-            generator = None if self.training else torch.Generator().manual_seed(self.seed)
             return block_loss(
                 self.draft, batch, loss_weights(self.head_cfg, self.num_steps), self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominator, self.head_cfg.num_anchors, generator,
+                self.draft_to_target, self.chunk_size, denominators, draws,
             )  # fmt: skip
         if self.kind == "eagle3":
             return ttt_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominator,
+                self.draft_to_target, self.chunk_size, denominators,
             )  # fmt: skip
         total, metrics = eagle1_loss(
             self.draft, batch, self.target_lm_head, self.chunk_size, noise_range=self.head_cfg.eagle1_noise,
             ce_weight=self.head_cfg.eagle1_ce_weight, add_noise=self.training,
         )  # fmt: skip
-        if denominator is not None:  # a mean over this batch's valid positions -> a sum over the global count
-            total = total * metrics["num_valid"] / denominator
+        num_valid = metrics["num_valid"]
+        if (
+            denominators is not None
+        ):  # a mean over this batch's valid positions -> a sum over the global count
+            total = total * num_valid / denominators[0]
         return total, {
             "loss_0": total.detach(),
+            "ce_sum_0": metrics["loss"] * num_valid,
+            "num_pred_0": num_valid,
             "acc_0": metrics["acc_0"],
-            "num_valid_0": metrics["num_valid"],
+            "num_valid_0": num_valid,
             "chain_hits_0": metrics["chain_hits_0"],
             "chain_total_0": metrics["chain_total_0"],
         }
@@ -139,6 +187,7 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
             mask_token_id=mask_token_id(cfg, target_config),
             block_size=cfg.head.block_size,
             causal=cfg.head.causal,
+            min_block_size=cfg.head.min_block_size,
         )
         return DFlashDraft(config)
     parallel = {}
