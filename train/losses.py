@@ -12,16 +12,23 @@ keys of earlier steps (docs/design.md#training-time-test):
   slot at anchor t reads (x_{t+1}, `fc(aux_t)`) at position t, exactly as TTT's step 0; the K-1 mask slots
   vLLM appends read (mask token, `fc(mask_hidden)`) at t+1..t+K-1 and see the real keys at <= t and the slots
   before them. Same teacher, loss and metrics as TTT; unlike TTT a slot's input does not depend on earlier
-  slots' outputs. COD (P-EAGLE's anchor subsampling, `cod_ratio` r < 1): depth d >= 1 at ~T*r^d anchors.
-- Block drafting (`block_loss`, docs/dflash.md): random anchors a per sequence (x_{a+1} an answer token);
-  one forward of the head over every block [x_a, mask x K] at positions a..a+K, each block seeing the
-  target's context at positions < a and itself (bidirectionally unless the head is causal); slot k at a+k
-  predicts x_{a+k} against the target's draft-vocabulary distribution at a+k-1, weighted exp(-(k-1)/decay).
+  slots' outputs. COD (P-EAGLE's anchor subsampling, `cod_ratio` r < 1): depth d >= 1 at ~n_b*r^d of row
+  b's n_b anchors (`cod_anchors`).
+- Block drafting (`block_loss`, docs/dflash.md): random anchors a per sequence (x_{a+1} an answer token),
+  each block of a random length L (`sample_blocks`: the block vLLM serves at k = L - 1); one forward of the
+  head over every block [x_a, mask x (L-1)] at positions a..a+L-1, each block seeing the target's context
+  at positions < a and itself (bidirectionally unless the head is causal); slot k at a+k predicts x_{a+k}
+  against the target's draft-vocabulary distribution at a+k-1, weighted exp(-(k-1)/decay).
+
+Every draft position's loss is the mean over its predictions (`position_loss`; the trainer passes their
+count over the whole global batch: docs/design.md#each-loss-a-mean-over-the-predictions-it-trains). What
+is random (anchors, block lengths) is drawn per sample (`row_generators`), before the forward.
 - EAGLE-1 (`eagle1_loss`, docs/design.md#the-draft-heads): SmoothL1(f_pred, f_true) + 0.1 * soft CE, noise
   U(-0.1, 0.1) on the input features; f_{t+1} predicted at t decodes x_{t+2}: TTT's step-0 shift and mask.
 
     total, metrics = ttt_loss(draft, batch, 7, 0.8, target_lm_head_VH, vocab.draft_to_target, 1024)
-    total, metrics = parallel_loss(...same..., cod_ratio=0.7)  /  eagle1_loss(draft, batch, w_VH, 1024)
+    total, metrics = parallel_loss(...same..., anchors=cod_anchors(batch, 3, 0.7, row_generators(batch)))
+    total, metrics = eagle1_loss(draft, batch, w_VH, 1024)
 
 Shape legend: B batch, T positions, M anchors kept at a depth (or valid positions), H hidden, A aux layers,
 K steps, V target vocab, Vd draft vocab, C rows in a chunk, S = T - 1 positions with a next feature.
@@ -229,8 +236,8 @@ def position_loss(
 
 
 class Anchors(NamedTuple):
-    """The anchors one later depth (P-EAGLE's COD) or the blocks (DFlash) train at: `index_BM` positions per
-    row, of which `keep_BM` are drawn (the rest pad the row to the batch's widest; they get no loss)."""
+    """The anchors one later P-EAGLE depth trains at (COD): `index_BM` positions per row, of which `keep_BM`
+    are drawn (the rest pad the row to the batch's widest; they get no loss)."""
 
     index_BM: Tensor
     keep_BM: Tensor
