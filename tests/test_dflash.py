@@ -319,3 +319,16 @@ def test_a_head_reads_its_own_layers_of_a_cache_holding_more(smoke_run, tmp_path
         ValueError, match=r"head.aux_layer_ids=\[1, 2\]: must be a non-empty subset of the cache's"
     ):
         train(smoke_config(run_dir, "train.max_steps=2", *DFLASH, "head.aux_layer_ids=[1,2]"))
+
+
+def test_held_out_reproduces_trains_estimate_and_measures_other_ks(dflash_run):
+    """train/held_out.py on the trained head gives train's own final held-out metrics at the k train
+    measured (export.num_speculative_tokens=3: blocks of 4), and measures the head at another k."""
+    from train.held_out import held_out
+
+    final = json.loads((dflash_run / "train_eval.jsonl").read_text().splitlines()[-1])
+    measured = held_out(dflash_run / "draft_head", dflash_run, 3, ["experiment=smoke", "train.num_threads=1"])
+    assert measured["eval/accept_len_k3"] == pytest.approx(final["eval/accept_len_k3"], rel=1e-5)
+    assert measured["eval/loss_0"] == pytest.approx(final["eval/loss_0"], rel=1e-5)
+    other = held_out(dflash_run / "draft_head", dflash_run, 1, ["experiment=smoke", "train.num_threads=1"])
+    assert other["eval/accept_len_k1"] != pytest.approx(measured["eval/accept_len_k1"], rel=1e-6)
