@@ -223,8 +223,11 @@ class HeadConfig:
     mask_token_id: int | None = None
     # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
     cod_ratio: float = checked(1.0, within(0, 1, low_closed=False))
-    # DFlash: tokens per block, the anchor and block_size - 1 mask slots (the longest block trained)
-    block_size: int = checked(8, Check(lambda v: v is not None and v >= 2, ">= 2"))
+    # DFlash: tokens per block, the anchor and block_size - 1 mask slots (the longest block trained); by
+    # default the block served at export.num_speculative_tokens (docs/dflash.md#served-k: measured best)
+    block_size: int = checked(
+        "${plus_one:${export.num_speculative_tokens}}", Check(lambda v: v is not None and v >= 2, ">= 2")
+    )
     # DFlash: each block trained is uniformly min_block_size..block_size long, so that a bidirectional head
     # serves every k = length - 1 as trained (None: full blocks only, served at k = block_size - 1 alone)
     min_block_size: int | None = checked(None, optional(Check(lambda v: v >= 2, ">= 2")))
@@ -541,8 +544,9 @@ def check_combinations(cfg: DictConfig) -> None:
     ks = trained_ks(cfg.head)
     limit = (
         f"one of {ks}, the k a {cfg.head.kind} head of head.block_size={cfg.head.block_size}, "
-        f"head.min_block_size={cfg.head.min_block_size}, head.causal={cfg.head.causal} drafts as trained "
-        "(docs/dflash.md#served-k)"
+        f"head.min_block_size={cfg.head.min_block_size}, head.causal={cfg.head.causal} drafts as trained; "
+        "train blocks of k + 1 (head.block_size, by default export.num_speculative_tokens + 1) or of several "
+        "lengths (head.min_block_size) (docs/dflash.md#served-k)"
         if cfg.head.kind == "dflash"
         else f"<= head.num_depths={cfg.head.num_depths} (a P-EAGLE head drafts only the depths it trained)"
     )
@@ -653,12 +657,19 @@ def machine_precision(wanted: str) -> str:
     return wanted if half_precision_computes_here() else "no"
 
 
+def plus_one(value) -> int:
+    """`${plus_one:${export.num_speculative_tokens}}` (head.block_size's default): the block of k + 1."""
+    return int(value) + 1
+
+
 # `${smoke_data:conversations.jsonl}` and `${sharegpt_json:}` in conf/data/*.yaml; `${machine_dtype:bfloat16}`
-# in conf/target/*.yaml and `${machine_precision:bf16}` as train.mixed_precision's default.
+# in conf/target/*.yaml, `${machine_precision:bf16}` as train.mixed_precision's default and `${plus_one:..}`
+# as head.block_size's.
 OmegaConf.register_new_resolver("smoke_data", _package_file, replace=True)
 OmegaConf.register_new_resolver("sharegpt_json", _sharegpt_json, replace=True)
 OmegaConf.register_new_resolver("machine_dtype", machine_dtype, replace=True)
 OmegaConf.register_new_resolver("machine_precision", machine_precision, replace=True)
+OmegaConf.register_new_resolver("plus_one", plus_one, replace=True)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

@@ -121,6 +121,13 @@ def test_every_experiment_composes_and_resolves(experiment):
     assert typed.target.path and (typed.data.source or typed.data.mix)
 
 
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_a_dflash_head_trains_the_block_it_is_served_with_by_default(k):
+    cfg = compose("config", ["head.kind=dflash", f"export.num_speculative_tokens={k}", "run_dir=/tmp/x"])
+    check_config(cfg)
+    assert cfg.head.block_size == k + 1 and cfg.head.min_block_size is None
+
+
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda path: path.stem)
 def test_every_accelerate_config_loads_for_one_8_gpu_node(path):
     config = load_config_from_file(str(path))
