@@ -123,7 +123,11 @@ def test_every_experiment_composes_and_resolves(experiment):
 
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_a_dflash_head_trains_the_block_it_is_served_with_by_default(k):
-    cfg = compose("config", ["head.kind=dflash", f"export.num_speculative_tokens={k}", "run_dir=/tmp/x"])
+    overrides = [
+        f"export.num_speculative_tokens={k}",
+        f"eval.heads=[{{name: h, num_speculative_tokens: [{k}]}}]",
+    ]
+    cfg = compose("config", ["head.kind=dflash", *overrides, "run_dir=/tmp/x"])
     check_config(cfg)
     assert cfg.head.block_size == k + 1 and cfg.head.min_block_size is None
 

@@ -256,9 +256,10 @@ def head_record(
         training={
             "num_steps": num_steps,
             "num_processes": world,
-            "settings": OmegaConf.to_container(
-                OmegaConf.masked_copy(cfg, ["head", "optim", "train"]), resolve=True
-            ),
+            # Resolved within the whole config (head.block_size's default reads export.num_speculative_tokens).
+            "settings": {
+                key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("head", "optim", "train")
+            },
             "held_out": held_out,
         },
     )
