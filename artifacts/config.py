@@ -658,8 +658,9 @@ def machine_precision(wanted: str) -> str:
 
 
 def plus_one(value) -> int:
-    """`${plus_one:${export.num_speculative_tokens}}` (head.block_size's default): the block of k + 1."""
-    return int(value) + 1
+    """`${plus_one:${export.num_speculative_tokens}}` (head.block_size's default): the block of k + 1 (at
+    least 2, so that a k below 1 is refused as export.num_speculative_tokens, not as the block it implies)."""
+    return max(int(value) + 1, 2)
 
 
 # `${smoke_data:conversations.jsonl}` and `${sharegpt_json:}` in conf/data/*.yaml; `${machine_dtype:bfloat16}`
