@@ -148,7 +148,9 @@ def model_card(
     drafting = {
         "parallel": "parallel drafting: all k drafts of a round in one forward pass",
         "block": "block drafting: the bonus token and k mask slots in one forward pass; trained on blocks of "
-        f"{block_lengths(c)} tokens, so serve k in {ks_text(c)} (docs/dflash.md#served-k)",
+        f"{block_lengths(c)} tokens, so serve k in {ks_text(c)} (docs/dflash.md#served-k)"
+        if block
+        else "",
     }.get(mode, "chain drafting")
     lines = [
         f"# {name} draft head for {Path(target['path']).name}",

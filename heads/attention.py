@@ -46,7 +46,7 @@ def attention(
     extra_visible_BTJ: Tensor | None = None,
 ) -> Tensor:
     """Grouped-query attention: query t sees the keys at positions <= its own, plus its own J extra keys
-    (those of them `extra_visible_BTJ` allows, when given).
+    (those of them `extra_visible_BTJ` allows, when given: [B, T, J], or [T, J] for every row).
 
     Query positions default to the last T of the S key positions (a plain causal pass when T == S; new
     tokens after a cache otherwise); `query_positions_BT` places them elsewhere (P-EAGLE's anchors).
@@ -59,6 +59,8 @@ def attention(
     """
     b, n, t, _ = q_BNTD.shape
     s = k_BGSD.shape[2]
+    if extra_visible_BTJ is not None and extra_visible_BTJ.dim() == 2:  # [T, J]: the same for every row
+        extra_visible_BTJ = extra_visible_BTJ[None]
     if query_positions_BT is None and extra_k_BGTJD is None and t == s:
         return causal_attention(q_BNTD, k_BGSD, v_BGSD)
     if query_positions_BT is None:

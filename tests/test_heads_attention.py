@@ -146,15 +146,12 @@ def head_and_loss(kind):
     common = (lm_head, d2t, 5)
     if kind == "eagle3":
         return model, lambda: losses.ttt_loss(model, batch, 3, 0.8, *common)
-    if kind == "peagle":
-        gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731 - the same anchors every call
-        return model, lambda: losses.parallel_loss(
-            model, batch, 3, 0.8, *common, cod_ratio=0.6, generator=gen()
-        )
-    weights = [1.0, 0.7, 0.5]
-    return model, lambda: losses.block_loss(
-        model, batch, weights, *common, num_anchors=4, generator=torch.Generator().manual_seed(0)
-    )
+    gens = losses.row_generators(batch, torch.Generator().manual_seed(0))
+    if kind == "peagle":  # the same anchors every call
+        anchors = losses.cod_anchors(batch, 3, 0.6, gens)
+        return model, lambda: losses.parallel_loss(model, batch, 3, 0.8, *common, anchors=anchors)
+    blocks = losses.sample_blocks(batch, 4, (2, 4), gens)
+    return model, lambda: losses.block_loss(model, batch, [1.0, 0.7, 0.5], *common, blocks=blocks)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
