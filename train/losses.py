@@ -86,6 +86,16 @@ class Teacher(NamedTuple):
 
 
 @torch.no_grad()
+def target_logits(hidden_NH: Tensor, target_lm_head_VH: Tensor) -> Tensor:
+    """[N, V] fp32: the target's logits, computed in its lm_head's dtype whatever the draft's precision: under
+    bf16 autocast an fp32 lm_head would otherwise run in bf16, and the teacher (which positions it leaves
+    outside the draft vocabulary, its distribution) would follow the draft's mixed-precision setting instead
+    of the target - and differ between autocast and DeepSpeed's bf16 engine, which runs no autocast."""
+    with torch.autocast(hidden_NH.device.type, enabled=False):
+        return (hidden_NH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
+
+
+@torch.no_grad()
 def teacher_rows(
     final_hidden_BTH: Tensor,
     target_lm_head_VH: Tensor,
@@ -118,7 +128,7 @@ def teacher_rows(
     in_draft_N = torch.zeros(b * t, dtype=torch.bool, device=device)
     for start in range(0, positions_N.numel(), chunk_size):
         rows = slice(start, start + chunk_size)
-        logits_CV = (hidden_NH[rows].to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
+        logits_CV = target_logits(hidden_NH[rows], target_lm_head_VH)
         in_draft_N[positions_N[rows]] = is_draft_V[logits_CV.argmax(-1)]
         probs_NVd[rows] = torch.softmax(logits_CV[:, draft_to_target], dim=-1)
     return Teacher(probs_NVd, row_N.view(b, t), in_draft_N.view(b, t))
@@ -596,7 +606,7 @@ def soft_ce_sum(pred_CH: Tensor, true_CH: Tensor, target_lm_head_VH: Tensor) -> 
     Logits are computed in the lm_head's dtype, as the target computes them, then soft-maxed in fp32.
     """
     with torch.no_grad():
-        teacher_CV = torch.softmax((true_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float(), -1)
+        teacher_CV = torch.softmax(target_logits(true_CH, target_lm_head_VH), -1)
     logits_CV = (pred_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
     ce_sum = -(teacher_CV * torch.log_softmax(logits_CV, dim=-1)).sum()
     num_correct = (logits_CV.argmax(-1) == teacher_CV.argmax(-1)).sum()
