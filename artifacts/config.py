@@ -8,6 +8,7 @@ A run is one experiment file plus a few overrides, e.g.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,36 @@ RESUME = Check(
     lambda v: str(v).lower() in ("never", "always", "auto", "true", "false"), "never, always (true) or auto"
 )
 POSITIVE_LIST = Check(lambda v: bool(v) and all(x > 0 for x in v), "a non-empty list of values > 0")
+
+
+# train.loss's divergences (train/objectives.py computes them) and its grammar: one name, or a weighted sum.
+DIVERGENCES = ("kl", "rkl", "tv", "nla", "lk")
+_LOSS_TERM = re.compile(r"^\s*(?:(\d+(?:\.\d*)?|\.\d+)\s*\*\s*)?([a-z]+)\s*$")
+
+
+def loss_terms(spec: str) -> tuple[tuple[str, float], ...]:
+    """train.loss as ((divergence, weight), ...): "kl" -> (("kl", 1.0),), "0.1*kl+0.9*tv" -> two terms;
+    ValueError naming the term at fault."""
+    terms = []
+    for part in str(spec).split("+"):
+        match = _LOSS_TERM.match(part)
+        if match is None or match.group(2) not in DIVERGENCES:
+            raise ValueError(
+                f"train.loss={spec!r}: {part.strip()!r} is not a term; want one of {', '.join(DIVERGENCES)} "
+                "or a weighted sum such as 0.1*kl+0.9*tv"
+            )
+        terms.append((match.group(2), float(match.group(1)) if match.group(1) else 1.0))
+    names = [name for name, _ in terms]
+    if len(set(names)) < len(names) or not any(weight > 0 for _, weight in terms):
+        raise ValueError(f"train.loss={spec!r}: each divergence at most once, and some weight > 0")
+    return tuple(terms)
+
+
+def _is_loss(spec) -> bool:
+    try:
+        return bool(loss_terms(spec))
+    except ValueError:
+        return False
 
 
 # ShareGPT dumps name the assistant after the product that answered; all of them are the assistant.
@@ -234,6 +265,10 @@ class HeadConfig:
     num_anchors: int = checked(512, POSITIVE)  # DFlash: random anchors (blocks) per sequence and step
     # DFlash: mask slot k's loss weighs exp(-(k-1)/loss_decay) (the paper: 7 for block 16, 4 for block 8)
     loss_decay: float = checked(4.0, POSITIVE)
+    # DFlash: decay (slot k weighs exp(-(k-1)/loss_decay)) | dpace (each prediction weighs the draft's chance
+    # to reach it and those after it: D-PACE, train/objectives.py dpace_weights)
+    position_weights: str = checked("decay", one_of("decay", "dpace"))
+    dpace_a: float = checked(0.5, within(0, 1))  # D-PACE's floor a in c~ = (1 - a) c + a
     causal: bool = False  # DFlash: causal attention inside a block (default: bidirectional, as served)
     eagle1_noise: float = checked(0.1, NON_NEGATIVE)  # EAGLE-1: input features get U(-noise, noise)
     # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
@@ -266,6 +301,12 @@ class TrainConfig:
     # the target's hidden states: cache (read from data_prep's cache) | online (the frozen target runs on
     # each micro-batch beside the head; the cache needs cache.hidden_states=false)
     features: str = checked("cache", one_of("cache", "online"))
+    # what each prediction minimises (train/objectives.py): kl | rkl | tv | nla | lk, or a weighted sum such
+    # as "0.1*kl+0.9*tv"
+    loss: str = checked(
+        "kl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum (0.1*kl+0.9*tv)")
+    )
+    lk_eta: float = checked(3.0, NON_NEGATIVE)  # LK: lambda = exp(-lk_eta * alpha) per token
     # tokens per full-vocab teacher logits chunk (memory bound)
     teacher_chunk_size: int = checked(2048, POSITIVE)
     log_every: int = checked(10, POSITIVE)  # status line (and W&B point) every N optimizer steps
@@ -581,6 +622,12 @@ def check_combinations(cfg: DictConfig) -> None:
             "head.kind",
             "dflash",
             f"eagle3 or peagle for {', '.join(norms)} (EAGLE-3's norms; DFlash has none)",
+        )
+    if cfg.head.position_weights == "dpace" and cfg.head.kind != "dflash":
+        refuse(
+            "head.position_weights",
+            "dpace",
+            f"decay for a {cfg.head.kind} head (D-PACE weighs DFlash blocks)",
         )
     if cfg.head.num_layers != 1 and cfg.head.kind not in ("peagle", "dflash"):
         refuse(

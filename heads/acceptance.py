@@ -114,13 +114,17 @@ class AcceptanceCounts:
 
 
 # The offline estimate from a head's per-depth accuracies (train's held-out eval): 1 + acc_0 + acc_0*acc_1' + ...
-def chain_counts(correct_KBT: Tensor, eligible_KBT: Tensor) -> tuple[Tensor, Tensor]:
+def chain_counts(right_KBT: Tensor, eligible_KBT: Tensor) -> tuple[Tensor, Tensor]:
     """(hits_K, totals_K): at depth j, positions whose depths < j were all right and that are eligible at j
-    (totals), and of those, the ones right at j (hits). Counts, so they sum over batches and ranks."""
-    correct_KBT = correct_KBT & eligible_KBT
-    all_before_KBT = torch.cat([torch.ones_like(correct_KBT[:1]), correct_KBT[:-1].cumprod(0)]).bool()
-    reached_KBT = all_before_KBT & eligible_KBT
-    return (reached_KBT & correct_KBT).sum((1, 2)), reached_KBT.sum((1, 2))
+    (totals), and of those, the ones right at j (hits). Counts, so they sum over batches and ranks.
+
+    `right_KBT` bool (right or not: temperature 0), or the probability that the draft there is accepted
+    (temperature 1): then both are expectations, and hits / totals is depth j's acceptance given the
+    depths before it were accepted."""
+    right_KBT = right_KBT.float() * eligible_KBT
+    all_before_KBT = torch.cat([torch.ones_like(right_KBT[:1]), right_KBT[:-1].cumprod(0)])
+    reached_KBT = all_before_KBT * eligible_KBT
+    return (reached_KBT * right_KBT).sum((1, 2)), reached_KBT.sum((1, 2))
 
 
 def conditional_accuracies(hits_K: Tensor, totals_K: Tensor) -> list[float]:

@@ -165,11 +165,57 @@ def test_an_overfit_learns_every_block_position():
     assert [int(metrics[f"num_valid_{k}"]) for k in range(4)] == [2 * (20 - k) for k in range(4)]
 
 
+def test_dpace_weighs_each_prediction_by_its_blocks_reach():
+    """D-PACE by hand: slot k of a block weighs sum_{j>=k} prod_{i<=j} (a + (1 - a) q_i(target's argmax)),
+    over the slots that block predicts; each slot's loss stays a mean over its predictions."""
+    draft = random_draft(tiny_dflash_config(block_size=4))
+    torch.manual_seed(1)
+    length, a = 16, 0.5
+    batch = {
+        "input_ids": torch.randint(4, 40, (2, length)),
+        "loss_mask": torch.ones(2, length, dtype=torch.bool),
+        "aux_hidden": torch.randn(2, length, 2, 64),
+        "final_hidden": torch.randn(2, length, 64) * 3,
+    }
+    batch["loss_mask"][:, :4] = False
+    lm_head_VH = torch.randn(40, 64)
+    blocks = sample_blocks(batch, 5, (2, 4), row_generators(batch, torch.Generator().manual_seed(2)))
+    total, metrics = block_loss(
+        draft, batch, [1.0] * 3, lm_head_VH, torch.arange(40), 64, blocks=blocks, dpace=a
+    )
+    with torch.no_grad():
+        out = block_forward(
+            draft, batch["input_ids"], batch["aux_hidden"], blocks.index_BM, blocks.lengths_BM
+        )
+        logq = torch.log_softmax(draft.logits(out).float(), -1)
+        teacher = torch.softmax(batch["final_hidden"] @ lm_head_VH.T, -1)
+    sums, counts = [0.0] * 3, [0] * 3
+    for b in range(2):
+        for m in range(blocks.index_BM.shape[1]):
+            if not blocks.keep_BM[b, m]:
+                continue
+            anchor, block = int(blocks.index_BM[b, m]), int(blocks.lengths_BM[b, m])
+            slots = [k for k in range(block - 1) if anchor + k + 1 < length]
+            c = [a + (1 - a) * float(logq[b, m, k + 1, teacher[b, anchor + k].argmax()].exp()) for k in slots]
+            reach = [math.prod(c[: i + 1]) for i in range(len(slots))]
+            for i, k in enumerate(slots):
+                ce = -float((teacher[b, anchor + k] * logq[b, m, k + 1]).sum())
+                sums[k] += sum(reach[i:]) * ce
+                counts[k] += 1
+    assert counts[2] < counts[0]  # blocks of several lengths
+    for k in range(3):
+        assert float(metrics[f"loss_{k}"]) == pytest.approx(sums[k] / counts[k], rel=1e-4)
+    assert float(total.detach()) == pytest.approx(sum(s / n for s, n in zip(sums, counts)), rel=1e-4)
+
+
 def test_loss_weights_decay_per_slot():
     class Head:
-        kind, loss_decay, gamma = "dflash", 4.0, 0.8
+        kind, loss_decay, gamma, position_weights = "dflash", 4.0, 0.8, "decay"
 
     assert loss_weights(Head, 3) == [1.0, math.exp(-0.25), math.exp(-0.5)]
+    Head.position_weights = "dpace"  # the weights are per prediction (block_loss)
+    assert loss_weights(Head, 3) == [1.0] * 3
+    Head.position_weights = "decay"
     Head.kind = "peagle"
     assert loss_weights(Head, 3) == [1.0, 0.8, 0.8**2]
 

@@ -224,7 +224,7 @@ def test_ttt_loss_aligns_teacher_with_tokens_and_weights_steps():
         outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
     for k in range(num_steps):
         logprobs = torch.log_softmax(model.logits(outs[k]).detach().float(), -1)
-        ces, predictions = [], 0
+        ces, greedy, sampled, predictions = [], [], [], 0
         for i in range(2):
             for pos in range(t):
                 target_pos, predicted = pos + 1 + k, pos + 2 + k
@@ -237,13 +237,29 @@ def test_ttt_loss_aligns_teacher_with_tokens_and_weights_steps():
                     continue
                 teacher = torch.softmax(logits_full[i, target_pos, draft_to_target], -1)
                 ces.append(-(teacher * logprobs[i, pos]).sum())
+                # At temperature 1 the target's full-vocabulary probabilities of the draft tokens decide.
+                p_draft = torch.softmax(logits_full[i, target_pos], -1)[draft_to_target]
+                greedy.append(p_draft[logprobs[i, pos].argmax()])
+                sampled.append(torch.minimum(p_draft, logprobs[i, pos].exp()).sum())
         assert int(metrics[f"num_valid_{k}"]) == len(ces) > 0 and int(metrics[f"num_pred_{k}"]) == predictions
         assert predictions > len(ces)  # some targets outside the pruned vocabulary: they count, with loss 0
         expected = torch.stack(ces).sum() / predictions
         torch.testing.assert_close(metrics[f"loss_{k}"], expected, rtol=1e-3, atol=1e-3)
+        if k == 0:  # depth 0's chain is every prediction: the sums of the per-row estimates
+            torch.testing.assert_close(
+                metrics["greedy_t1_hits_0"], torch.stack(greedy).sum(), rtol=1e-4, atol=1e-5
+            )
+            torch.testing.assert_close(
+                metrics["sampled_t1_hits_0"], torch.stack(sampled).sum(), rtol=1e-4, atol=1e-5
+            )
+            assert float(metrics["greedy_t1_total_0"]) == predictions
+            assert (
+                0 < metrics["greedy_t1_hits_0"] < predictions
+                and 0 < metrics["sampled_t1_hits_0"] < predictions
+            )
     weighted = sum(0.8**k * metrics[f"loss_{k}"] for k in range(num_steps))
     torch.testing.assert_close(total.detach(), weighted)
-    names = ("loss", "acc", "num_valid", "chain_hits", "chain_total")
+    names = ("loss", "acc", "num_valid", "chain_hits", "chain_total", "greedy_t1_hits", "sampled_t1_total")
     assert all(f"{name}_{k}" in metrics for name in names for k in range(num_steps))
     with pytest.raises(ValueError, match="num_steps"):
         ttt_loss(model, batch, 0, 0.8, lm_head, draft_to_target, 5)

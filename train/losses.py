@@ -49,6 +49,7 @@ from heads.attention import KVCache
 from heads.dflash import DFlashDraft
 from heads.eagle1 import Eagle1Draft
 from heads.eagle3 import Eagle3Draft
+from train.objectives import KL, Objective, acceptance, dpace_weights, token_losses
 
 
 def shift_left(x_BT: torch.Tensor, shift: int, fill: int | bool = 0) -> torch.Tensor:
@@ -83,6 +84,7 @@ class Teacher(NamedTuple):
     probs_NVd: Tensor  # summing to 1 over the draft vocabulary
     row_BT: Tensor  # int64: the row of position (b, t) in probs_NVd; -1 where it was not computed
     in_draft_BT: Tensor  # bool: the target's argmax over its FULL vocabulary is a draft token
+    mass_N: Tensor  # fp32: the target's probability (full vocabulary) on draft tokens: acceptance estimates
 
 
 @torch.no_grad()
@@ -125,13 +127,16 @@ def teacher_rows(
     row_N[positions_N] = torch.arange(positions_N.numel(), device=device)
     hidden_NH = final_hidden_BTH.reshape(b * t, h)[positions_N]
     probs_NVd = hidden_NH.new_empty(positions_N.numel(), draft_to_target.numel(), dtype=torch.float32)
+    mass_N = hidden_NH.new_empty(positions_N.numel(), dtype=torch.float32)
     in_draft_N = torch.zeros(b * t, dtype=torch.bool, device=device)
     for start in range(0, positions_N.numel(), chunk_size):
         rows = slice(start, start + chunk_size)
         logits_CV = target_logits(hidden_NH[rows], target_lm_head_VH)
         in_draft_N[positions_N[rows]] = is_draft_V[logits_CV.argmax(-1)]
-        probs_NVd[rows] = torch.softmax(logits_CV[:, draft_to_target], dim=-1)
-    return Teacher(probs_NVd, row_N.view(b, t), in_draft_N.view(b, t))
+        draft_logits_CVd = logits_CV[:, draft_to_target]
+        probs_NVd[rows] = torch.softmax(draft_logits_CVd, dim=-1)
+        mass_N[rows] = torch.exp(draft_logits_CVd.logsumexp(-1) - logits_CV.logsumexp(-1))
+    return Teacher(probs_NVd, row_N.view(b, t), in_draft_N.view(b, t), mass_N)
 
 
 def teacher_probs(
@@ -189,59 +194,83 @@ def step_loss(
 LOGIT_BUDGET_BYTES = 256 * 2**20
 
 
-def soft_ce_rows(model, out_CH: Tensor, probs_NVd: Tensor, rows_C: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum of soft cross-entropies, correct_C) of the draft's logits at these outputs against the teacher
-    rows `rows_C` of `probs_NVd`."""
+class RowLosses(NamedTuple):
+    """Per prediction (M rows): the objective (with its graph) and, detached, what it says about acceptance."""
+
+    loss: Tensor  # [M] the objective (train/objectives.py) against the teacher row
+    correct: Tensor  # [M] bool: the draft's argmax is the target's (accepted at temperature 0)
+    greedy_t1: Tensor  # [M] p(argmax q): the draft's argmax accepted at temperature 1, as vLLM drafts
+    sampled_t1: Tensor  # [M] sum_v min(p_v, q_v): a token sampled from the draft accepted at temperature 1
+    target_ce: Tensor  # [M] -log q(argmax p): the draft's confidence in the target's token (D-PACE)
+
+    @staticmethod
+    def cat(parts: list[RowLosses]) -> RowLosses:
+        return RowLosses(*(torch.cat(field) for field in zip(*parts)))
+
+
+def objective_rows(
+    model, objective: Objective, out_CH: Tensor, probs_NVd: Tensor, mass_N: Tensor, rows_C: Tensor
+) -> RowLosses:
+    """`RowLosses` of the draft's logits at these outputs against the teacher rows `rows_C`; the acceptance
+    estimates use the target's full-vocabulary probabilities of the draft tokens (rows times `mass_N`)."""
     logits_CVd = model.logits(out_CH)
     teacher_CVd = probs_NVd[rows_C]
-    ce_sum = -(teacher_CVd * torch.log_softmax(logits_CVd.float(), dim=-1)).sum()
-    return ce_sum, logits_CVd.argmax(-1) == teacher_CVd.argmax(-1)
+    loss_C = token_losses(objective, teacher_CVd, logits_CVd)
+    with torch.no_grad():
+        p_CVd = teacher_CVd * mass_N[rows_C, None]
+        logq_CVd = torch.log_softmax(logits_CVd.float(), dim=-1)
+        draft_C, target_C = logits_CVd.argmax(-1), teacher_CVd.argmax(-1)
+        greedy_C = p_CVd.gather(1, draft_C[:, None]).squeeze(1)
+        sampled_C = acceptance(p_CVd, logq_CVd.exp())
+        target_ce_C = -logq_CVd.gather(1, target_C[:, None]).squeeze(1)
+    return RowLosses(loss_C, draft_C == target_C, greedy_C, sampled_C, target_ce_C)
 
 
-def draft_ce(model, out_MH: Tensor, teacher: Teacher, rows_M: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum of the soft cross-entropies, correct_M) of the draft's logits at M outputs against the teacher
-    rows `rows_M`, the logits computed LOGIT_BUDGET_BYTES at a time (see there)."""
+def draft_rows(model, objective: Objective, out_MH: Tensor, teacher: Teacher, rows_M: Tensor) -> RowLosses:
+    """`objective_rows` at M outputs against the teacher rows `rows_M`, the logits computed
+    LOGIT_BUDGET_BYTES at a time (see there)."""
     m, vd = rows_M.numel(), teacher.probs_NVd.shape[1]
     chunk = max(1, LOGIT_BUDGET_BYTES // (4 * vd))
     keep_graph = torch.is_grad_enabled() and out_MH.requires_grad and m > chunk
-    ce_sum = out_MH.new_zeros((), dtype=torch.float32)
-    correct = []
+    parts = []
     for start in range(0, max(m, 1), chunk):
         rows = slice(start, start + chunk)
-        inputs = (model, out_MH[rows], teacher.probs_NVd, rows_M[rows])
-        chunk_ce, chunk_correct = (
-            checkpoint(soft_ce_rows, *inputs, use_reentrant=False) if keep_graph else soft_ce_rows(*inputs)
+        inputs = (model, objective, out_MH[rows], teacher.probs_NVd, teacher.mass_N, rows_M[rows])
+        parts.append(
+            checkpoint(objective_rows, *inputs, use_reentrant=False)
+            if keep_graph
+            else objective_rows(*inputs)
         )
-        ce_sum = ce_sum + chunk_ce
-        correct.append(chunk_correct)
-    return ce_sum, torch.cat(correct)
+    return RowLosses.cat(parts)
 
 
 def position_loss(
     metrics: dict[str, Tensor],
     k: int,
-    ce_sum: Tensor,
-    correct: Tensor,
+    rows: RowLosses,
     predictions: Tensor,
     denominators: Tensor | None,
+    row_weights: Tensor | None = None,
 ) -> Tensor:
-    """Draft position k's loss term, the mean of its soft cross-entropy over the predictions it trains: the
-    sum over this batch divided by `denominators[k]` (the trainer's count over the whole global batch, so
-    that any split across processes and micro-batches gives the same gradient), or by this batch's own
-    `predictions` when None. Records loss_k, ce_sum_k, num_pred_k, num_valid_k and acc_k in `metrics`.
+    """Draft position k's loss term, the mean of its objective over the predictions it trains: the sum over
+    this batch (each row weighted `row_weights`: D-PACE) divided by `denominators[k]` (the trainer's count
+    over the whole global batch, so that any split across processes and micro-batches gives the same
+    gradient), or by this batch's own `predictions` when None. Records loss_k, loss_sum_k, num_pred_k,
+    num_valid_k and acc_k in `metrics`.
 
     A prediction is a draft position the head is trained at (an answer token to predict, an anchor drawn);
     it is valid - given a loss - when the target's argmax there is a draft token. Invalid ones add 0 to the
     sum and 1 to the count, as in vLLM, where they are rejected drafts.
     """
     denominator = predictions.clamp(min=1) if denominators is None else denominators[k]
-    num_valid = torch.tensor(correct.numel(), device=ce_sum.device)
-    loss = ce_sum / denominator
+    num_valid = torch.tensor(rows.correct.numel(), device=rows.loss.device)
+    loss_sum = (rows.loss if row_weights is None else rows.loss * row_weights).sum()
+    loss = loss_sum / denominator
     metrics[f"loss_{k}"] = loss.detach()
-    metrics[f"ce_sum_{k}"] = ce_sum.detach()
+    metrics[f"loss_sum_{k}"] = loss_sum.detach()
     metrics[f"num_pred_{k}"] = predictions
     metrics[f"num_valid_{k}"] = num_valid
-    metrics[f"acc_{k}"] = correct.sum() / num_valid.clamp(min=1)
+    metrics[f"acc_{k}"] = rows.correct.sum() / num_valid.clamp(min=1)
     return loss
 
 
@@ -268,6 +297,7 @@ def depth_predictions(batch: dict[str, Tensor], step: int, anchors: Anchors | No
 
 def depth_losses(
     model: Eagle3Draft,
+    objective: Objective,
     outs: list[Tensor],
     batch: dict[str, Tensor],
     teacher: Teacher,
@@ -276,7 +306,8 @@ def depth_losses(
     anchors: list[Anchors | None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """sum_k weights[k] * loss_k and the metrics, from each depth's pre-norm outputs (TTT steps or P-EAGLE
-    depths); loss_k the mean over depth k's predictions (`position_loss`, `depth_predictions`).
+    depths); loss_k the mean of the objective over depth k's predictions (`position_loss`,
+    `depth_predictions`).
 
     outs[k] is [B, T, H] (every position an anchor) or, with anchors[k], [B, M, H] at anchors[k].index_BM.
     Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
@@ -284,7 +315,7 @@ def depth_losses(
     in_draft_BT = teacher.in_draft_BT
     total = torch.zeros((), device=in_draft_BT.device)
     metrics: dict[str, torch.Tensor] = {}
-    correct, eligible = [], []
+    chains = Chains()
     for step, out_BMH in enumerate(outs):
         depth_anchors = anchors[step] if anchors is not None else None
         # Eligible for the acceptance estimate: an assistant token to predict, whatever the target's argmax.
@@ -298,24 +329,43 @@ def depth_losses(
             pos_M = depth_anchors.index_BM[batch_M, row_M]
         # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
         # (answer tokens; never where t+2+k runs past the end): prompt positions cost no lm_head work.
-        ce_sum, correct_M = draft_ce(
-            model, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step]
+        rows = draft_rows(
+            model, objective, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step]
         )
-        correct_BT = torch.zeros_like(valid_BT)
-        correct_BT[batch_M, pos_M] = correct_M
-        loss = position_loss(metrics, step, ce_sum, correct_M, eligible_BT.sum(), denominators)
+        chains.add(rows, eligible_BT, (batch_M, pos_M))
+        loss = position_loss(metrics, step, rows, eligible_BT.sum(), denominators)
         total = total + weights[step] * loss
-        correct.append(correct_BT)
-        eligible.append(eligible_BT)
-    add_chain_counts(metrics, correct, eligible)
+    chains.record(metrics)
     return total, metrics
 
 
-def add_chain_counts(metrics: dict[str, Tensor], correct: list[Tensor], eligible: list[Tensor]) -> None:
-    """chain_hits_k / chain_total_k (the positions before k all right, as vLLM accepts) into `metrics`."""
-    hits_K, totals_K = chain_counts(torch.stack(correct), torch.stack(eligible))
-    for k in range(len(correct)):
-        metrics[f"chain_hits_{k}"], metrics[f"chain_total_{k}"] = hits_K[k], totals_K[k]
+class Chains:
+    """Per draft position, where each anchor's prediction was eligible and how likely it is accepted
+    (temperature 0: right or not; temperature 1: `RowLosses.greedy_t1` and `sampled_t1`), laid out per
+    anchor so that `record` can chain the positions of one anchor as vLLM accepts them."""
+
+    FIELDS = ("correct", "greedy_t1", "sampled_t1")
+
+    def __init__(self):
+        self.eligible: list[Tensor] = []
+        self.values: dict[str, list[Tensor]] = {name: [] for name in self.FIELDS}
+
+    def add(self, rows: RowLosses, eligible: Tensor, index: tuple[Tensor, Tensor]) -> None:
+        """One position's rows, at `index` (batch, anchor) of an `eligible`-shaped layout (0 elsewhere)."""
+        self.eligible.append(eligible)
+        for name in self.FIELDS:
+            laid_out = torch.zeros(eligible.shape, dtype=torch.float32, device=eligible.device)
+            laid_out[index] = getattr(rows, name).float()
+            self.values[name].append(laid_out)
+
+    def record(self, metrics: dict[str, Tensor]) -> None:
+        """chain_hits_k / chain_total_k (temperature 0: the positions before k all right), and the same
+        expectations at temperature 1, greedy_t1_* and sampled_t1_*, into `metrics`."""
+        eligible = torch.stack(self.eligible)
+        for name, prefix in zip(self.FIELDS, ("chain", "greedy_t1", "sampled_t1")):
+            hits_K, totals_K = chain_counts(torch.stack(self.values[name]), eligible)
+            for k in range(len(self.eligible)):
+                metrics[f"{prefix}_hits_{k}"], metrics[f"{prefix}_total_{k}"] = hits_K[k], totals_K[k]
 
 
 def batch_teacher(
@@ -336,12 +386,13 @@ def ttt_loss(
     draft_to_target: torch.Tensor,
     chunk_size: int,
     denominators: torch.Tensor | None = None,
+    objective: Objective = KL,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: `position_loss`, its denominators).
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
     optional attention_mask [B, T] (1 = real token; without it every position is real).
-    Metrics (detached tensors), per step k: loss_k, ce_sum_k and num_pred_k (its mean's sum and count);
+    Metrics (detached tensors), per step k: loss_k, loss_sum_k and num_pred_k (its mean's sum and count);
     acc_k and num_valid_k over the positions with a loss; chain_hits_k / chain_total_k, counts for
     `conditional_accuracies` where a target argmax outside the draft vocabulary counts as a miss (as in
     vLLM), not as skipped.
@@ -351,7 +402,7 @@ def ttt_loss(
     weights = depth_weights(gamma, num_steps)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
-    return depth_losses(model, outs, batch, teacher, weights, denominators)
+    return depth_losses(model, objective, outs, batch, teacher, weights, denominators)
 
 
 def depth_weights(gamma: float, num_steps: int) -> list[float]:
@@ -446,6 +497,7 @@ def parallel_loss(
     chunk_size: int,
     denominators: Tensor | None = None,
     anchors: list[Anchors | None] | None = None,
+    objective: Objective = KL,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """total = sum_d gamma^d loss_d over the K parallel depths, each the mean over its anchors (`anchors`,
     `cod_anchors`'; None: every anchor at every depth); the batch and metrics as `ttt_loss`'s."""
@@ -457,7 +509,7 @@ def parallel_loss(
     weights = depth_weights(gamma, num_depths)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
-    return depth_losses(model, outs, batch, teacher, weights, denominators, anchors)
+    return depth_losses(model, objective, outs, batch, teacher, weights, denominators, anchors)
 
 
 class Blocks(NamedTuple):
@@ -535,11 +587,15 @@ def block_loss(
     chunk_size: int,
     denominators: Tensor | None = None,
     blocks: Blocks | None = None,
+    objective: Objective = KL,
+    dpace: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """total = sum_k weights[k] * loss_k over the block's K = block_size - 1 mask slots, loss_k the mean
-    over slot k's predictions (`slot_predictions`; `blocks` None: `sample_blocks` of full blocks, 512
-    anchors); the batch and the metrics as `ttt_loss`'s, per slot (`chain_*_k`: the slots before k all
-    right, as vLLM accepts)."""
+    """total = sum_k weights[k] * loss_k over the block's K = block_size - 1 mask slots, loss_k the mean of
+    the objective over slot k's predictions (`slot_predictions`; `blocks` None: `sample_blocks` of full
+    blocks, 512 anchors); the batch and the metrics as `ttt_loss`'s, per slot (`chain_*_k`: the slots before
+    k all right, as vLLM accepts). With `dpace` = a, each prediction also weighs its block's D-PACE weight
+    (`dpace_weights`; `loss_weights` then gives every slot 1): a slot whose target token is outside the
+    draft vocabulary counts as one the draft misses (c = 0)."""
     num_slots = model.config.block_size - 1
     if len(weights) != num_slots:
         raise ValueError(f"{len(weights)} loss weights for {num_slots} mask slots")
@@ -550,33 +606,47 @@ def block_loss(
     out_BMJH = block_forward(
         model, batch["input_ids"], batch["aux_hidden"], blocks.index_BM, blocks.lengths_BM
     )
-    total = torch.zeros((), device=out_BMJH.device)
-    metrics: dict[str, Tensor] = {}
-    correct, eligible = [], []
+    slots = []
     for k in range(num_slots):
         # Slot k+1 of the block sits at a+k+1 and predicts the token there; its teacher is the target at a+k.
         position_BM, eligible_BM = slot_predictions(batch, blocks, k)
         valid_BM = eligible_BM & teacher.in_draft_BT.gather(1, position_BM - 1)
         batch_R, row_R = valid_BM.nonzero(as_tuple=True)
-        ce_sum, correct_R = draft_ce(
+        rows = draft_rows(
             model,
+            objective,
             out_BMJH[batch_R, row_R, k + 1],
             teacher,
             teacher.row_BT[batch_R, position_BM[batch_R, row_R] - 1],
         )
-        correct_BM = torch.zeros_like(valid_BM)
-        correct_BM[batch_R, row_R] = correct_R
-        loss = position_loss(metrics, k, ce_sum, correct_R, eligible_BM.sum(), denominators)
+        slots.append((rows, eligible_BM, (batch_R, row_R)))
+    row_weights = [None] * num_slots
+    if dpace is not None:
+        eligible_BMK = torch.stack([eligible for _, eligible, _ in slots], dim=-1)
+        ce_BMK = torch.full(eligible_BMK.shape, math.inf, device=eligible_BMK.device)
+        for k, (rows, _, index) in enumerate(slots):
+            ce_BMK[(*index, torch.full_like(index[0], k))] = rows.target_ce.float()
+        weights_BMK = dpace_weights(ce_BMK.flatten(0, 1), eligible_BMK.flatten(0, 1), dpace).view_as(ce_BMK)
+        row_weights = [
+            weights_BMK[(*index, torch.full_like(index[0], k))] for k, (_, _, index) in enumerate(slots)
+        ]
+    total = torch.zeros((), device=out_BMJH.device)
+    metrics: dict[str, Tensor] = {}
+    chains = Chains()
+    for k, (rows, eligible_BM, index) in enumerate(slots):
+        chains.add(rows, eligible_BM, index)
+        loss = position_loss(metrics, k, rows, eligible_BM.sum(), denominators, row_weights[k])
         total = total + weights[k] * loss
-        correct.append(correct_BM)
-        eligible.append(eligible_BM)
-    add_chain_counts(metrics, correct, eligible)
+    chains.record(metrics)
     return total, metrics
 
 
 def loss_weights(head_cfg, num_steps: int) -> list[float]:
     """The weight of draft position k's loss: gamma^k (EAGLE-3's TTT steps, P-EAGLE's depths), or DFlash's
-    exp(-k / loss_decay) over its mask slots (arXiv 2602.06036)."""
+    exp(-k / loss_decay) over its mask slots (arXiv 2602.06036); 1 under D-PACE, whose weights are per
+    prediction (`block_loss`)."""
+    if head_cfg.kind == "dflash" and head_cfg.position_weights == "dpace":
+        return [1.0] * num_steps
     if head_cfg.kind == "dflash":
         return [math.exp(-k / head_cfg.loss_decay) for k in range(num_steps)]
     return depth_weights(head_cfg.gamma, num_steps)
@@ -600,23 +670,32 @@ def add_feature_noise(
     return features_BTH + (2 * unit_BTH - 1) * noise_range
 
 
-def soft_ce_sum(pred_CH: Tensor, true_CH: Tensor, target_lm_head_VH: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum over rows of CE(softmax(lm_head(true)), log_softmax(lm_head(pred))), rows whose argmaxes agree).
+def full_vocab_rows(
+    objective: Objective, pred_CH: Tensor, true_CH: Tensor, target_lm_head_VH: Tensor
+) -> tuple[Tensor, Tensor]:
+    """[4]: the sum over rows of the objective between softmax(lm_head(true)) and lm_head(pred), and
+    (detached) of rows whose argmaxes agree, of p(argmax q) and of sum min(p, q) (`RowLosses`): EAGLE-1's
+    loss over the target's full vocabulary.
 
     Logits are computed in the lm_head's dtype, as the target computes them, then soft-maxed in fp32.
     """
-    with torch.no_grad():
-        teacher_CV = torch.softmax(target_logits(true_CH, target_lm_head_VH), -1)
+    teacher_CV = torch.softmax(target_logits(true_CH, target_lm_head_VH), -1)
     logits_CV = (pred_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
-    ce_sum = -(teacher_CV * torch.log_softmax(logits_CV, dim=-1)).sum()
-    num_correct = (logits_CV.argmax(-1) == teacher_CV.argmax(-1)).sum()
-    return ce_sum, num_correct
+    loss_sum = token_losses(objective, teacher_CV, logits_CV).sum()
+    with torch.no_grad():
+        draft_C = logits_CV.argmax(-1)
+        accepted = torch.stack([
+            (draft_C == teacher_CV.argmax(-1)).sum().float(),
+            teacher_CV.gather(1, draft_C[:, None]).sum(),
+            acceptance(teacher_CV, torch.softmax(logits_CV, -1)).sum(),
+        ])  # fmt: skip
+    return torch.cat([loss_sum[None], accepted])
 
 
-def chunked_soft_ce(
-    pred_MH: Tensor, true_MH: Tensor, target_lm_head_VH: Tensor, chunk_size: int
-) -> tuple[Tensor, Tensor]:
-    """`soft_ce_sum` over all rows, `chunk_size` rows at a time.
+def chunked_full_vocab(
+    objective: Objective, pred_MH: Tensor, true_MH: Tensor, target_lm_head_VH: Tensor, chunk_size: int
+) -> Tensor:
+    """`full_vocab_rows` over all rows, `chunk_size` rows at a time.
 
     Each chunk runs under activation checkpointing when it needs a gradient: otherwise autograd would keep
     every chunk's fp32 [C, V] probabilities until backward - the whole batch's full-vocabulary logits after
@@ -625,18 +704,14 @@ def chunked_soft_ce(
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size}: must be positive")
-    ce_sum = pred_MH.new_zeros((), dtype=torch.float32)
-    num_correct = torch.zeros((), dtype=torch.int64, device=pred_MH.device)
+    sums = pred_MH.new_zeros(4, dtype=torch.float32)
     for start in range(0, pred_MH.shape[0], chunk_size):
-        pred_CH, true_CH = pred_MH[start : start + chunk_size], true_MH[start : start + chunk_size]
-        if torch.is_grad_enabled() and pred_CH.requires_grad:
-            chunk_ce, chunk_correct = checkpoint(
-                soft_ce_sum, pred_CH, true_CH, target_lm_head_VH, use_reentrant=False
-            )
+        inputs = (objective, pred_MH[start : start + chunk_size], true_MH[start : start + chunk_size])
+        if torch.is_grad_enabled() and inputs[1].requires_grad:
+            sums = sums + checkpoint(full_vocab_rows, *inputs, target_lm_head_VH, use_reentrant=False)
         else:
-            chunk_ce, chunk_correct = soft_ce_sum(pred_CH, true_CH, target_lm_head_VH)
-        ce_sum, num_correct = ce_sum + chunk_ce, num_correct + chunk_correct
-    return ce_sum, num_correct
+            sums = sums + full_vocab_rows(*inputs, target_lm_head_VH)
+    return sums
 
 
 def eagle1_loss(
@@ -649,8 +724,10 @@ def eagle1_loss(
     ce_weight: float = 0.1,
     add_noise: bool = True,
     generator: torch.Generator | None = None,
+    objective: Objective = KL,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """total = SmoothL1(f_pred, f_true) + ce_weight * soft CE, both means over the valid positions.
+    """total = SmoothL1(f_pred, f_true) + ce_weight * the objective (soft CE by default: EAGLE-1's), both
+    means over the valid positions.
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, final_hidden [B, T, H], optional attention_mask
     [B, T] (1 = real token; batches are right-padded). target_lm_head: the target's frozen [V, H] weight.
@@ -681,7 +758,9 @@ def eagle1_loss(
     num_valid = valid_BS.sum()
     denom = num_valid.clamp(min=1)
     regression = F.smooth_l1_loss(pred_MH, true_MH.float(), reduction="none").mean(-1).sum() / denom
-    ce_sum, num_correct = chunked_soft_ce(pred_MH, true_MH, target_lm_head, chunk_size)
+    ce_sum, num_correct, greedy_t1, sampled_t1 = chunked_full_vocab(
+        objective, pred_MH, true_MH, target_lm_head, chunk_size
+    )
     ce = ce_sum / denom
     total = regression + ce_weight * ce
     metrics = {
@@ -692,5 +771,9 @@ def eagle1_loss(
         "num_valid": num_valid,
         "chain_hits_0": num_correct,
         "chain_total_0": num_valid,
+        "greedy_t1_hits_0": greedy_t1,
+        "greedy_t1_total_0": num_valid,
+        "sampled_t1_hits_0": sampled_t1,
+        "sampled_t1_total_0": num_valid,
     }
     return total, metrics

@@ -41,13 +41,13 @@ def start_trackers(accelerator, cfg, cache_manifest: dict, run_dir: Path) -> Non
 
 
 def add_step_metrics(sums_4K: torch.Tensor, metrics: dict) -> None:
-    """Add one micro-batch's counts at each depth k to `sums_4K`: the rows are the soft cross-entropy summed
+    """Add one micro-batch's counts at each depth k to `sums_4K`: the rows are the objective summed
     over its predictions, the predictions (its mean's count), the correct drafts and the valid positions
     (the target's argmax a draft token: accuracy's count)."""
     for k in range(sums_4K.shape[1]):
         n = metrics[f"num_valid_{k}"].float()
         sums_4K[:, k] += torch.stack(
-            [metrics[f"ce_sum_{k}"].float(), metrics[f"num_pred_{k}"].float(), metrics[f"acc_{k}"] * n, n]
+            [metrics[f"loss_sum_{k}"].float(), metrics[f"num_pred_{k}"].float(), metrics[f"acc_{k}"] * n, n]
         )
 
 
@@ -138,17 +138,25 @@ def record_eval(accelerator, run_dir: Path, step: int, measured: dict) -> dict:
     return result
 
 
+# The held-out acceptance estimates, per `Chains` prefix (train/losses.py): temperature 0 (the draft's argmax
+# right), and temperature 1 with drafts as vLLM makes them (its argmax, accepted with the target's p of it)
+# or sampled from the draft (accepted with sum min(p, q): vLLM's draft_sample_method=probabilistic).
+ESTIMATES = {"chain": "accept_len", "greedy_t1": "accept_len_t1", "sampled_t1": "accept_len_t1_sampled"}
+
+
 @torch.no_grad()
 def evaluate(
     accelerator, model, eval_split: CacheSplit, batch_size: int, num_steps: int, states=None
 ) -> dict | None:
-    """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts;
-    None without a held-out split (data.eval_fraction=0): not measured, never zeros from zero samples."""
+    """Held-out loss, per-step accuracy, conditional accuracy and expected acceptance length for 1..K drafts
+    (at temperature 0, and at 1: `ESTIMATES`); None without a held-out split (data.eval_fraction=0): not
+    measured, never zeros from zero samples."""
     if not len(eval_split):
         return None
     model.eval()
     sums = torch.zeros(4, num_steps, device=accelerator.device)  # per depth: see add_step_metrics
-    chain = torch.zeros(2, num_steps, device=accelerator.device)  # per depth: chain hits, chain totals
+    # per estimate and depth: chain hits, chain totals
+    chain = torch.zeros(len(ESTIMATES), 2, num_steps, device=accelerator.device)
     world = accelerator.num_processes
     mine = list(range(accelerator.process_index, len(eval_split), world))
     # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively: a rank with one
@@ -167,16 +175,19 @@ def evaluate(
         if not ids:
             continue
         add_step_metrics(sums, metrics)
-        for k in range(num_steps):
-            chain[:, k] += torch.stack(
-                [metrics[f"chain_hits_{k}"].float(), metrics[f"chain_total_{k}"].float()]
-            )
+        for e, prefix in enumerate(ESTIMATES):
+            for k in range(num_steps):
+                chain[e, :, k] += torch.stack(
+                    [metrics[f"{prefix}_hits_{k}"].float(), metrics[f"{prefix}_total_{k}"].float()]
+                )
     sums, chain = accelerator.reduce(sums, "sum"), accelerator.reduce(chain, "sum")
     model.train()
-    cond = conditional_accuracies(chain[0].long().cpu(), chain[1].long().cpu())
     loss_K, acc_K = depth_means(sums)
     result = {f"eval/loss_{k}": float(loss_K[k]) for k in range(num_steps)}
     result |= {f"eval/acc_{k}": float(acc_K[k]) for k in range(num_steps)}
-    result |= {f"eval/cond_acc_{k}": cond[k] for k in range(num_steps)}
-    result |= {f"eval/accept_len_k{n}": expected_acceptance_length(cond[:n]) for n in range(1, num_steps + 1)}
+    for (prefix, name), (hits_K, totals_K) in zip(ESTIMATES.items(), chain.cpu()):
+        cond = conditional_accuracies(hits_K, totals_K)
+        if prefix == "chain":
+            result |= {f"eval/cond_acc_{k}": cond[k] for k in range(num_steps)}
+        result |= {f"eval/{name}_k{n}": expected_acceptance_length(cond[:n]) for n in range(1, num_steps + 1)}
     return result

@@ -33,6 +33,7 @@ from train.losses import (
     slot_predictions,
     ttt_loss,
 )
+from train.objectives import parse_objective
 
 
 class DraftWithLoss(torch.nn.Module):
@@ -64,6 +65,8 @@ class DraftWithLoss(torch.nn.Module):
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
         self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
         self.seed = cfg.seed
+        self.objective = parse_objective(cfg.train.loss, cfg.train.lk_eta)
+        self.dpace = cfg.head.dpace_a if cfg.head.position_weights == "dpace" else None
         if self.kind == "dflash":
             self.trained_lengths = trained_block_lengths(cfg.head)
             self.served_length = cfg.export.num_speculative_tokens + 1
@@ -104,21 +107,21 @@ class DraftWithLoss(torch.nn.Module):
         if self.kind == "peagle":
             return parallel_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominators, draws,
+                self.draft_to_target, self.chunk_size, denominators, draws, self.objective,
             )  # fmt: skip
         if self.kind == "dflash":
             return block_loss(
                 self.draft, batch, loss_weights(self.head_cfg, self.num_steps), self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominators, draws,
+                self.draft_to_target, self.chunk_size, denominators, draws, self.objective, self.dpace,
             )  # fmt: skip
         if self.kind == "eagle3":
             return ttt_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominators,
+                self.draft_to_target, self.chunk_size, denominators, self.objective,
             )  # fmt: skip
         total, metrics = eagle1_loss(
             self.draft, batch, self.target_lm_head, self.chunk_size, noise_range=self.head_cfg.eagle1_noise,
-            ce_weight=self.head_cfg.eagle1_ce_weight, add_noise=self.training,
+            ce_weight=self.head_cfg.eagle1_ce_weight, add_noise=self.training, objective=self.objective,
         )  # fmt: skip
         num_valid = metrics["num_valid"]
         if (
@@ -126,13 +129,11 @@ class DraftWithLoss(torch.nn.Module):
         ):  # a mean over this batch's valid positions -> a sum over the global count
             total = total * num_valid / denominators[0]
         return total, {
+            **{name: value for name, value in metrics.items() if name.endswith("_0")},  # acc, chains
             "loss_0": total.detach(),
-            "ce_sum_0": metrics["loss"] * num_valid,
+            "loss_sum_0": metrics["loss"] * num_valid,
             "num_pred_0": num_valid,
-            "acc_0": metrics["acc_0"],
             "num_valid_0": num_valid,
-            "chain_hits_0": metrics["chain_hits_0"],
-            "chain_total_0": metrics["chain_total_0"],
         }
 
 

@@ -1,0 +1,89 @@
+"""What each draft prediction is trained to minimise (`train.loss`) and how a block's positions are weighed
+(`train.position_weights`): pure functions on tensors, used by every loss in train/losses.py.
+
+p is the target's distribution over the draft vocabulary (the teacher row), q = softmax(draft logits), and
+alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), the probability that a token sampled from q is accepted by
+rejection sampling against p (docs/design.md#objectives). The divergences, per token:
+
+- `kl`   forward KL(p || q), computed as the soft cross-entropy -sum_v p_v log q_v (KL plus the teacher's
+         entropy, which has no gradient): the objective every head trained with before there was a choice.
+- `rkl`  reverse KL(q || p) = sum_v q_v (log q_v - log p_v).
+- `tv`   1 - alpha. Its gradient vanishes where p and q do not overlap.
+- `nla`  -log(max(alpha, 1e-5)).
+- `lk`   lambda kl + (1 - lambda) tv with lambda = exp(-eta sg(alpha)) per token (LK, arXiv 2602.23881): KL
+         while the draft is far from the target (alpha ~ 0: lambda ~ 1), acceptance once it is close.
+
+`train.loss` names one, or a weighted sum such as "0.1*kl+0.9*tv" (`parse_objective`).
+
+D-PACE (arXiv 2605.18810, `dpace_weights`) replaces a block's decay weights exp(-(k-1)/decay) by weights
+that follow the draft's own chance to get there: c_j = exp(-CE_j) the draft's probability of the target's
+argmax at slot j (no gradient), c~_j = (1 - a) c_j + a, P_j = prod_{i<=j} c~_i, w_j = sum_{m>=j} P_m.
+
+    objective = parse_objective("lk", eta=3.0)
+    loss_C = token_losses(objective, p_CVd, logits_CVd)     # [C]
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from artifacts.config import loss_terms
+
+NLA_FLOOR = 1e-5  # -log alpha is capped at -log(1e-5) = 11.5 where the draft misses the target entirely
+
+
+class Objective(NamedTuple):
+    """A weighted sum of divergences: terms ((name, weight), ...), and LK's eta."""
+
+    terms: tuple[tuple[str, float], ...]
+    eta: float = 3.0
+
+
+KL = Objective((("kl", 1.0),))
+
+
+def parse_objective(spec: str, eta: float = 3.0) -> Objective:
+    """`spec` a divergence name ("kl") or a weighted sum ("0.1*kl+0.9*tv": artifacts/config.py loss_terms);
+    ValueError naming what is wrong."""
+    if not eta >= 0:
+        raise ValueError(f"train.lk_eta={eta}: must be >= 0")
+    return Objective(loss_terms(spec), float(eta))
+
+
+def acceptance(p_CV: Tensor, q_CV: Tensor) -> Tensor:
+    """[C] alpha = sum_v min(p_v, q_v): a token sampled from q is accepted with this probability."""
+    return torch.minimum(p_CV, q_CV).sum(-1)
+
+
+def token_losses(objective: Objective, p_CV: Tensor, logits_CV: Tensor) -> Tensor:
+    """[C] the objective at each row: teacher rows p_CV (fp32, summing to 1) against the draft's logits."""
+    # fp32 at least (bf16 logits under autocast); fp64 stays fp64 (the gradient checks).
+    logq_CV = torch.log_softmax(logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32)), dim=-1)
+    names = {name for name, _ in objective.terms}
+    values = {}
+    if names & {"kl", "lk"}:
+        values["kl"] = -(p_CV * logq_CV).sum(-1)
+    if names & {"tv", "nla", "lk", "rkl"}:
+        q_CV = logq_CV.exp()
+        alpha_C = acceptance(p_CV, q_CV)
+        values["tv"] = 1 - alpha_C
+        values["nla"] = -torch.log(alpha_C.clamp(min=NLA_FLOOR))
+        values["rkl"] = (q_CV * (logq_CV - torch.log(p_CV.clamp(min=torch.finfo(p_CV.dtype).tiny)))).sum(-1)
+        if "lk" in names:
+            lam_C = torch.exp(-objective.eta * alpha_C.detach())
+            values["lk"] = lam_C * values["kl"] + (1 - lam_C) * values["tv"]
+    return sum(weight * values[name] for name, weight in objective.terms)
+
+
+def dpace_weights(ce_RK: Tensor, keep_RK: Tensor, a: float = 0.5) -> Tensor:
+    """[R, K] D-PACE weights (no gradient) of the K slots of R blocks from their cross-entropies to the
+    target's argmax; slots not kept (past a block's end, no answer token) count as certain (c~ = 1) in the
+    products and get weight 0."""
+    with torch.no_grad():
+        c_RK = torch.where(keep_RK, (1 - a) * torch.exp(-ce_RK.float()) + a, torch.ones_like(ce_RK.float()))
+        reach_RK = torch.cumprod(c_RK, dim=1) * keep_RK
+        weights_RK = reach_RK.flip(1).cumsum(1).flip(1)
+        return weights_RK * keep_RK
