@@ -353,6 +353,9 @@ class EvalHeadConfig:
     name: str = checked("head", NON_EMPTY)  # label in reports (compare mode: one entry per head)
     # export (a trained head: EAGLE-3 / P-EAGLE / EAGLE-1) | ngram (vLLM's prompt lookup)
     method: str = checked("export", one_of("export", "ngram"))
+    # greedy (vLLM's default: the draft's argmax, accepted with the target's p of it) | probabilistic
+    # (drafts sampled from the head, accepted with min(1, p/q): docs/design.md#objectives); export heads
+    draft_sample_method: str = checked("greedy", one_of("greedy", "probabilistic"))
     path: str | None = None  # export directory to serve (None: <run_dir>/export); unused for ngram
     # the k sweep
     num_speculative_tokens: list[int] = checked(factory=lambda: [1, 2, 3, 4, 5], check=POSITIVE_LIST)
@@ -378,7 +381,12 @@ class EvalConfig:
     concurrency: list[int] = checked(factory=lambda: [1, 4, 16], check=POSITIVE_LIST)  # requests in flight
     baseline: bool = True  # also serve the target without speculation (speedups need it)
     offline: bool = False  # no vLLM: acceptance only, from the reference decoder on the exported heads
-    temperature: float = checked(0.0, NON_NEGATIVE)  # sampling temperature of every request (0: greedy)
+    # the sampling temperatures swept, each request at one (0: greedy); with several, each workload is
+    # reported and recommended per temperature ("chat T=1")
+    temperature: list[float] = checked(
+        factory=lambda: [0.0],
+        check=Check(lambda v: bool(v) and all(t >= 0 for t in v), "a non-empty list of values >= 0"),
+    )
     ignore_eos: bool = False  # generate max_tokens even past the end of an answer
     enable_threshold: float = checked(1.05, POSITIVE)  # recommend a head where its best speedup reaches this
     serve_schedule: bool = True  # serve each recommended per-batch-size k schedule once and measure it
@@ -640,7 +648,19 @@ def check_combinations(cfg: DictConfig) -> None:
         names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
             refuse(f"{key}[].name", names, "unique (each names a report row, a server log, a source's ids)")
+    if cfg.eval.offline and list(cfg.eval.temperature) != [0.0]:
+        refuse(
+            "eval.temperature",
+            list(cfg.eval.temperature),
+            "[0] with eval.offline (the reference decoder is greedy)",
+        )
     for index, head in enumerate(cfg.eval.heads):
+        if head.method == "ngram" and head.draft_sample_method != "greedy":
+            refuse(
+                f"eval.heads[{index}].draft_sample_method",
+                head.draft_sample_method,
+                "greedy for ngram (no draft distribution)",
+            )
         if head.method == "ngram" and head.prompt_lookup_min > head.prompt_lookup_max:
             refuse(f"eval.heads[{index}].prompt_lookup_min", head.prompt_lookup_min, "<= prompt_lookup_max")
         own_export = head.method == "export" and head.path is None

@@ -45,6 +45,8 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
                 spec = {"method": "ngram", "num_speculative_tokens": int(k), **lookup}
             else:
                 spec = speculative_config(kind, str(path), int(k))
+                if head.draft_sample_method != "greedy":  # vLLM's default stays unwritten
+                    spec["draft_sample_method"] = head.draft_sample_method
             configs.append(
                 {
                     "config": f"{head.name} k={k}",
@@ -78,10 +80,10 @@ def check_served_ks(head, path: Path, kind: str, fields: dict) -> None:
             )  # fmt: skip
 
 
-def schedule_configs(recommendations: list[dict], workloads, configs: list[dict] = ()) -> list[dict]:
+def schedule_configs(recommendations: list[dict], first: str, configs: list[dict] = ()) -> list[dict]:
     """One config per head whose recommended k changes with the batch size: its deployable schedule (from
-    the first workload's recommendation), served once beside the fixed-k runs (`configs`: those runs')."""
-    first = workloads[0].name
+    the recommendation for the workload labelled `first`: eval/measure.py workload_label), served once
+    beside the fixed-k runs (`configs`: those runs')."""
     drafting = {c["head"]: c.get("drafting") for c in configs}
     schedules = []
     for rec in recommendations:

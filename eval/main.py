@@ -34,7 +34,7 @@ from artifacts.prompts import stop_token_ids
 from artifacts.run_lock import holds_run_dir
 from eval.economics import recommend
 from eval.grid import schedule_configs, server_configs
-from eval.measure import served_runs
+from eval.measure import served_runs, workload_label
 from eval.offline import offline_runs
 from eval.report import log_to_wandb, write_report
 from eval.results import add_comparisons, headline, headline_table, run_line
@@ -87,11 +87,12 @@ def evaluate_heads(cfg: DictConfig) -> dict:
         if c["head"] is not None
     }
     recommendations = recommend(runs, cfg.eval.enable_threshold, deployable)
+    first_label = workload_label(cfg.eval.workloads[0].name, cfg.eval.temperature[0], cfg.eval.temperature)
     schedule_note = None
     if (
         not cfg.eval.offline
         and cfg.eval.serve_schedule
-        and (schedules := schedule_configs(recommendations, cfg.eval.workloads, configs))
+        and (schedules := schedule_configs(recommendations, first_label, configs))
     ):
         try:
             runs = served_runs(cfg, configs + schedules, prompts, target_path, out_dir)

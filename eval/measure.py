@@ -21,13 +21,13 @@ from eval.prometheus import acceptance_counts
 from eval.server import VllmServer
 
 
-def settings_key(cfg, config: dict, workload, concurrency: int) -> str:
+def settings_key(cfg, config: dict, workload, concurrency: int, temperature: float) -> str:
     """Identity of one measured run: a finished run with the same key is reused on a rerun."""
     values = {
         "config": config,
         "workload": OmegaConf.to_container(workload),
         "concurrency": concurrency,
-        "temperature": cfg.eval.temperature,
+        "temperature": temperature,
         "ignore_eos": cfg.eval.ignore_eos,
         "server_args": OmegaConf.to_container(cfg.eval.server_args),
         "target": files_fingerprint(Path(str(cfg.target.path))),
@@ -61,7 +61,15 @@ def read_finished(path: Path) -> dict[str, dict]:
     return finished
 
 
-def measure(server: VllmServer, model: str, prompts, concurrency: int, workload, cfg) -> dict:
+def workload_label(name: str, temperature: float, temperatures) -> str:
+    """A run's workload as reports, comparisons and recommendations group it: the workload's name, with
+    its temperature when eval sweeps several ("chat T=1")."""
+    return name if len(temperatures) == 1 else f"{name} T={temperature:g}"
+
+
+def measure(
+    server: VllmServer, model: str, prompts, concurrency: int, workload, temperature: float, cfg
+) -> dict:
     """One measured run on an idle server: counters before and after, latency from the client."""
     before = acceptance_counts(server.metrics())
     results, duration = asyncio.run(
@@ -71,7 +79,7 @@ def measure(server: VllmServer, model: str, prompts, concurrency: int, workload,
             prompts,
             concurrency,
             workload.max_tokens,
-            cfg.eval.temperature,
+            temperature,
             cfg.eval.ignore_eos,
             cfg.seed,
             cfg.eval.request_timeout_s,
@@ -82,21 +90,23 @@ def measure(server: VllmServer, model: str, prompts, concurrency: int, workload,
 
 
 def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_dir: Path) -> list[dict]:
-    """Every (config, workload, concurrency) measured on real servers, one server per config; finished
-    runs come from <out_dir>/runs.jsonl instead."""
+    """Every (config, workload, concurrency, temperature) measured on real servers, one server per config;
+    finished runs come from <out_dir>/runs.jsonl instead."""
     finished_file = out_dir / "runs.jsonl"
     finished = read_finished(finished_file)
+    temperatures = [float(t) for t in cfg.eval.temperature]
     plan = [
-        (config, workload, int(concurrency), settings_key(cfg, config, workload, int(concurrency)))
+        (config, (workload, int(c), t), settings_key(cfg, config, workload, int(c), t))
         for config in configs
         for workload in cfg.eval.workloads
-        for concurrency in cfg.eval.concurrency
+        for t in temperatures
+        for c in cfg.eval.concurrency
     ]
     runs = [finished[key]["run"] for *_, key in plan if key in finished]
     bar = tqdm(total=len(plan), initial=len(runs), desc="eval runs", unit="run")
     try:  # SIGTERM and SIGHUP raise KeyboardInterrupt here (target/reaper.py's leash): servers shut down
         for config in configs:
-            todo = [(w, c, key) for cf, w, c, key in plan if cf is config and key not in finished]
+            todo = [(*case, key) for cf, case, key in plan if cf is config and key not in finished]
             if not todo:
                 continue
             log_path = out_dir / "logs" / f"{config['config'].replace(' ', '_').replace('=', '')}.log"
@@ -109,16 +119,21 @@ def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_
             ) as server:
                 model = str(target_path)
                 asyncio.run(run_load(server.url, model, [prompts[todo[0][0].name][0]], 1, 8))  # warm-up
-                for workload, concurrency, key in todo:
-                    bar.set_postfix_str(f"{config['config']} {workload.name} c={concurrency}")
-                    result = measure(server, model, prompts[workload.name], concurrency, workload, cfg)
+                for workload, concurrency, temperature, key in todo:
+                    label = workload_label(workload.name, temperature, temperatures)
+                    bar.set_postfix_str(f"{config['config']} {label} c={concurrency}")
+                    result = measure(
+                        server, model, prompts[workload.name], concurrency, workload, temperature, cfg
+                    )
                     record = {
                         "config": config["config"],
                         "head": config["head"],
                         "k": config["k"],
                         "drafting": config.get("drafting"),
                         "schedule": config.get("schedule"),
-                        "workload": workload.name,
+                        "workload": label,
+                        "workload_name": workload.name,
+                        "temperature": temperature,
                         "concurrency": concurrency,
                         **result,
                     }

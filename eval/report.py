@@ -146,7 +146,34 @@ def compare_section(runs: list[dict], workloads: list[str]) -> list[str]:
             )
         header = ["head", "best k", "concurrency", "mean acceptance length", "speedup"]
         lines += ["", f"### {workload}", "", *table(header, rows)]
+        if verdict := fastest_verdict(runs, heads, workload):
+            lines += ["", verdict]
     return lines
+
+
+def fastest_verdict(runs: list[dict], heads: list[str], workload: str) -> str | None:
+    """Which head is fastest on `workload` (each at its fastest k, lowest concurrency), by how much over
+    each other, and why: the tokens a round brings against what a round costs (eval/economics.py)."""
+    best = {h: r for h in heads if (r := best_at_lowest_concurrency(runs, h, workload))}
+    if len(best) < 2:
+        return None
+    order = sorted(best, key=lambda h: best[h]["speedup"], reverse=True)
+    winner = best[order[0]]
+
+    def round_text(r: dict) -> str:
+        cost = (r.get("economics") or {}).get("draft_cost")
+        length = acceptance(r).get("mean_acceptance_length")
+        return f"{fmt(length)} tokens a round at a draft cost of {fmt(cost)} target steps"
+
+    others = "; ".join(
+        f"{h} k={best[h]['k']} {best[h]['speedup']:.2f}x, {1 - best[h]['speedup'] / winner['speedup']:.0%} "
+        f"slower ({round_text(best[h])})"
+        for h in order[1:]
+    )
+    return (
+        f"**Fastest: {order[0]} k={winner['k']}, {winner['speedup']:.2f}x** ({round_text(winner)}); {others}. "
+        "A round pays what it accepts over what it costs: speedup ~ tokens a round / (1 + draft passes x cost)."
+    )
 
 
 def image(plots: dict[str, Path], name: str, caption: str) -> list[str]:
@@ -157,12 +184,17 @@ def render_report(results: dict, plots: dict[str, Path]) -> str:
     runs = results.get("runs") or []
     workloads = ordered(r["workload"] for r in runs)
     machine = results.get("machine") or {}
+    temperatures = (results.get("config") or {}).get("temperature") or ordered(
+        r.get("temperature", 0.0) for r in runs
+    )
     versions = ", ".join(f"{k} {v}" for k, v in (results.get("versions") or {}).items() if v)
     lines = [
         "# Eval: speculative decoding with draft heads in vLLM",
         "",
         f"{versions}; {machine.get('cpu', '?')} ({machine.get('num_cpus', '?')} CPUs), "
         f"GPU: {machine.get('gpu') or 'none'}.",
+        f"Sampling temperature {', '.join(f'{t:g}' for t in temperatures)}"
+        + (" (each workload per temperature: `chat T=1`)." if len(temperatures) > 1 else "."),
         "",
         LEGEND,
         "",

@@ -219,6 +219,11 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
             "eval.workloads=[{name: w, source: chat}, {name: w, source: code}]",
             "eval.workloads[].name=['w', 'w']",
         ),
+        ("train.loss=kll", "train.loss=kll: must be one of kl, rkl, tv, nla, lk or a weighted sum"),
+        ("train.loss='0.5*kl+0.5*jsd'", "train.loss=0.5*kl+0.5*jsd: must be one of kl, rkl, tv, nla, lk"),
+        ("train.lk_eta=-1", "train.lk_eta=-1.0: must be >= 0"),
+        ("head.position_weights=pace", "head.position_weights=pace: must be one of decay, dpace"),
+        ("eval.temperature=[-1]", "eval.temperature=[-1.0]: must be a non-empty list of values >= 0"),
     ],
 )
 def test_bad_settings_are_refused_before_any_stage_works_naming_the_key(tmp_path, override, message):
@@ -304,6 +309,18 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
         (
             ["eval.heads=[{name: n, method: ngram, prompt_lookup_min: 5}]"],
             "eval.heads[0].prompt_lookup_min=5",
+        ),
+        (
+            ["head.kind=peagle", "head.position_weights=dpace"],
+            "head.position_weights=dpace: must be decay for a peagle head (D-PACE weighs DFlash blocks)",
+        ),
+        (
+            ["eval.heads=[{name: n, method: ngram, draft_sample_method: probabilistic}]"],
+            "eval.heads[0].draft_sample_method=probabilistic: must be greedy for ngram",
+        ),
+        (
+            ["eval.offline=true", "eval.temperature=[0,1]"],
+            "eval.temperature=[0.0, 1.0]: must be [0] with eval.offline",
         ),
     ],
 )

@@ -221,6 +221,14 @@ def test_compare_table_only_with_two_heads(report, tmp_path):
         f"{best['speedup']:.2f}x",
     ]
     assert row_cells(section(compare, "### code"), "code")[1:3] == ["3", "1"]
+    # Per workload, the fastest head and by how much the others trail it, with what a round brings and costs.
+    slower = find_run(results, "code k=3", "chat", 1)
+    trail = 1 - slower["speedup"] / best["speedup"]
+    assert (
+        f"**Fastest: general k=3, {best['speedup']:.2f}x** (2.20 tokens a round at a draft cost of 0.08 "
+        f"target steps); code k=3 {slower['speedup']:.2f}x, {trail:.0%} slower"
+        in section(compare, "### chat")
+    )
 
     write_report(synthetic_results(num_heads=1), tmp_path / "one_head")
     assert "## Heads compared" not in (tmp_path / "one_head" / "report.md").read_text()

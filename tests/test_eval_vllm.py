@@ -89,7 +89,7 @@ def test_eval_serves_a_parallel_head_ngram_and_a_k_schedule(regen_peagle_head, t
     # A schedule as eval would recommend it: k=3 at batch size 1, no speculation above.
     spec = {**peagle_spec(run_dir), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 1024, 0]]}
     recommendation = {"head": "peagle", "workload": "chat", "deploy": spec}
-    schedules = schedule_configs([recommendation], cfg.eval.workloads)
+    schedules = schedule_configs([recommendation], cfg.eval.workloads[0].name)
     assert schedules[0]["config"] == "peagle schedule" and schedules[0]["k"] == 3
     prompts = {"chat": workload_prompts(cfg, run_dir)}
     measured = served_runs(cfg, schedules, prompts, run_dir / "smoke_target", tmp_path)
@@ -192,6 +192,46 @@ def test_eval_measures_baseline_and_head(eval_run):
     start = time.perf_counter()
     again = evaluate(cfg)
     assert time.perf_counter() - start < 30 and again["runs"] == results["runs"]
+
+
+@pytest.mark.slow  # three compiled servers (~3 min on a 2-core CPU)
+def test_eval_sweeps_temperatures_and_serves_probabilistic_drafts(eval_run, tmp_path):
+    """eval.temperature=[0,1]: every workload measured, compared and recommended per temperature, the
+    baseline at each; a head served with draft_sample_method=probabilistic drafts as the greedy one at
+    temperature 0 (both take the argmax) and is served at 1."""
+    heads = (
+        "eval.heads=[{name:greedy,num_speculative_tokens:[3]},"
+        "{name:sampled,num_speculative_tokens:[3],draft_sample_method:probabilistic}]"
+    )
+    overrides = [
+        heads,
+        "eval.workloads=[{name:chat,source:chat,num_prompts:4,max_tokens:32}]",
+        "eval.concurrency=[1]",
+        "eval.temperature=[0,1]",
+        "eval.serve_schedule=false",
+        f"eval.out_dir={tmp_path / 'eval'}",
+    ]
+    results = evaluate(smoke_config(eval_run, *overrides, experiment="smoke_regen"))
+    runs = {(r["config"], r["workload"]): r for r in results["runs"]}
+    labels = ("chat T=0", "chat T=1")
+    assert set(runs) == {(c, w) for c in ("baseline", "greedy k=3", "sampled k=3") for w in labels}
+    assert {r["temperature"] for r in results["runs"]} == {0.0, 1.0}
+    assert all(
+        r["speedup"] for r in results["runs"] if r["head"]
+    )  # each against its own temperature's baseline
+    greedy, sampled = runs[("greedy k=3", "chat T=0")], runs[("sampled k=3", "chat T=0")]
+    assert (
+        sampled["output_tokens"] == greedy["output_tokens"] == runs[("baseline", "chat T=0")]["output_tokens"]
+    )
+    assert sampled["acceptance"]["num_accepted_tokens"] == greedy["acceptance"]["num_accepted_tokens"]
+    assert runs[("sampled k=3", "chat T=1")]["acceptance"]["num_drafts"] > 0
+    assert {(rec["head"], rec["workload"]) for rec in results["recommendations"]} == {
+        (h, w) for h in ("greedy", "sampled") for w in labels
+    }
+    report = (tmp_path / "eval" / "report.md").read_text()
+    assert "Sampling temperature 0, 1" in report and "chat T=1" in report
+    with pytest.raises(ValueError, match=r"eval.temperature=\[0.0, 1.0\]: must be \[0\] with eval.offline"):
+        evaluate(smoke_config(eval_run, *overrides, "eval.offline=true", experiment="smoke_regen"))
 
 
 def test_a_head_for_another_target_is_refused_before_any_server(eval_run, tmp_path):

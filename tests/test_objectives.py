@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from artifacts.config import loss_terms
-from train.objectives import KL, acceptance, dpace_weights, parse_objective, token_losses
+from train.objectives import KL, acceptance, dpace_weights, log_probs, parse_objective, token_losses
 
 P = [0.5, 0.3, 0.2]
 Q = [0.2, 0.2, 0.6]
@@ -19,7 +19,9 @@ def logits_of(q):
 
 def value(spec, p=P, q=Q, eta=3.0):
     return float(
-        token_losses(parse_objective(spec, eta), torch.tensor([p], dtype=torch.float64), logits_of(q))
+        token_losses(
+            parse_objective(spec, eta), torch.tensor([p], dtype=torch.float64), log_probs(logits_of(q))
+        )
     )
 
 
@@ -48,7 +50,9 @@ def test_each_divergence_is_least_where_the_draft_is_the_target():
 
 def gradient(spec, p, logits):
     logits = logits.clone().requires_grad_(True)
-    token_losses(parse_objective(spec), torch.tensor([p], dtype=torch.float64), logits).sum().backward()
+    token_losses(
+        parse_objective(spec), torch.tensor([p], dtype=torch.float64), log_probs(logits)
+    ).sum().backward()
     return logits.grad
 
 
@@ -61,7 +65,7 @@ def test_gradients_match_finite_differences(spec):
     objective = parse_objective(spec)
 
     def f(x):
-        return token_losses(objective, torch.tensor([P4], dtype=torch.float64), x)
+        return token_losses(objective, torch.tensor([P4], dtype=torch.float64), log_probs(x))
 
     assert torch.autograd.gradcheck(f, (LOGITS.clone().requires_grad_(True),))
 

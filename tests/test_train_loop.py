@@ -29,6 +29,7 @@ from tests.helpers import (
     wandb_records,
 )
 from train.main import run
+from train.metrics import ESTIMATES
 
 
 @pytest.fixture
@@ -58,6 +59,30 @@ def test_golden_first_losses_and_final_head(train_run):
     evals = [json.loads(line) for line in (train_run / "train_eval.jsonl").open()]
     assert [e["step"] for e in evals] == [4, 8]
     assert evals[-1]["eval/accept_len_k1"] == pytest.approx(1 + evals[-1]["eval/cond_acc_0"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("train.loss=lk",), ("train.loss=0.1*kl+0.9*tv", *PEAGLE), (*DFLASH, "head.position_weights=dpace")],
+    ids=["eagle3_lk", "peagle_kl_tv", "dflash_dpace"],
+)
+def test_other_objectives_train_and_report_acceptance_at_temperature_1(train_run, overrides):
+    """Every head kind trains under another objective (train/objectives.py), its held-out metrics with
+    the acceptance estimates at temperature 1, and the head changes with the objective."""
+    run(train_config(train_run, *overrides, "train.max_steps=4", "train.eval_every=0"))
+    losses = step_losses(train_run)
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses.values())
+    held_out = [json.loads(line) for line in (train_run / "train_eval.jsonl").open()][-1]
+    greedy, t1, sampled = (held_out[f"eval/{name}_k1"] for name in ESTIMATES.values())
+    assert 1 < t1 < 2 and 1 < sampled < 2 and 1 <= greedy < 2
+    assert held_out["eval/accept_len_t1_k3"] >= t1
+    trained = load_file(str(train_run / "draft_head" / "model.safetensors"))
+    kl_dir = train_run.parent / "kl"
+    shutil.copytree(train_run, kl_dir, ignore=shutil.ignore_patterns("ckpt", "draft_head", "train_*"))
+    kl_overrides = [o for o in overrides if not o.startswith(("train.loss", "head.position_weights"))]
+    run(train_config(kl_dir, *kl_overrides, "train.max_steps=4", "train.eval_every=0"))
+    kl_head = load_file(str(kl_dir / "draft_head" / "model.safetensors"))
+    assert any(not torch.equal(trained[name], kl_head[name]) for name in trained)
 
 
 def test_golden_first_losses_of_a_peagle_head(train_run):

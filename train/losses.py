@@ -20,11 +20,15 @@ keys of earlier steps (docs/design.md#training-time-test):
   at positions < a and itself (bidirectionally unless the head is causal); slot k at a+k predicts x_{a+k}
   against the target's draft-vocabulary distribution at a+k-1, weighted exp(-(k-1)/decay).
 
-Every draft position's loss is the mean over its predictions (`position_loss`; the trainer passes their
-count over the whole global batch: docs/design.md#each-loss-a-mean-over-the-predictions-it-trains). What
-is random (anchors, block lengths) is drawn per sample (`row_generators`), before the forward.
 - EAGLE-1 (`eagle1_loss`, docs/design.md#the-draft-heads): SmoothL1(f_pred, f_true) + 0.1 * soft CE, noise
   U(-0.1, 0.1) on the input features; f_{t+1} predicted at t decodes x_{t+2}: TTT's step-0 shift and mask.
+
+Every draft position's loss is the mean of the objective (`train.loss`, train/objectives.py: forward KL
+by default) over its predictions (`position_loss`; the trainer passes their count over the whole global
+batch: docs/design.md#each-loss-a-mean-over-the-predictions-it-trains), weighted per position (gamma^k,
+DFlash's decay, or D-PACE per prediction). What is random (anchors, block lengths) is drawn per sample
+(`row_generators`), before the forward. `Chains` records the held-out acceptance estimates at temperature
+0 and 1 as vLLM accepts a round.
 
     total, metrics = ttt_loss(draft, batch, 7, 0.8, target_lm_head_VH, vocab.draft_to_target, 1024)
     total, metrics = parallel_loss(...same..., anchors=cod_anchors(batch, 3, 0.7, row_generators(batch)))
@@ -49,7 +53,7 @@ from heads.attention import KVCache
 from heads.dflash import DFlashDraft
 from heads.eagle1 import Eagle1Draft
 from heads.eagle3 import Eagle3Draft
-from train.objectives import KL, Objective, acceptance, dpace_weights, token_losses
+from train.objectives import KL, Objective, acceptance, dpace_weights, log_probs, token_losses
 
 
 def shift_left(x_BT: torch.Tensor, shift: int, fill: int | bool = 0) -> torch.Tensor:
@@ -215,10 +219,10 @@ def objective_rows(
     estimates use the target's full-vocabulary probabilities of the draft tokens (rows times `mass_N`)."""
     logits_CVd = model.logits(out_CH)
     teacher_CVd = probs_NVd[rows_C]
-    loss_C = token_losses(objective, teacher_CVd, logits_CVd)
+    logq_CVd = log_probs(logits_CVd)
+    loss_C = token_losses(objective, teacher_CVd, logq_CVd)
     with torch.no_grad():
         p_CVd = teacher_CVd * mass_N[rows_C, None]
-        logq_CVd = torch.log_softmax(logits_CVd.float(), dim=-1)
         draft_C, target_C = logits_CVd.argmax(-1), teacher_CVd.argmax(-1)
         greedy_C = p_CVd.gather(1, draft_C[:, None]).squeeze(1)
         sampled_C = acceptance(p_CVd, logq_CVd.exp())
@@ -395,7 +399,7 @@ def ttt_loss(
     Metrics (detached tensors), per step k: loss_k, loss_sum_k and num_pred_k (its mean's sum and count);
     acc_k and num_valid_k over the positions with a loss; chain_hits_k / chain_total_k, counts for
     `conditional_accuracies` where a target argmax outside the draft vocabulary counts as a miss (as in
-    vLLM), not as skipped.
+    vLLM), not as skipped; greedy_t1_* and sampled_t1_*, the same at temperature 1 (`Chains`).
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
@@ -672,7 +676,7 @@ def add_feature_noise(
 
 def full_vocab_rows(
     objective: Objective, pred_CH: Tensor, true_CH: Tensor, target_lm_head_VH: Tensor
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """[4]: the sum over rows of the objective between softmax(lm_head(true)) and lm_head(pred), and
     (detached) of rows whose argmaxes agree, of p(argmax q) and of sum min(p, q) (`RowLosses`): EAGLE-1's
     loss over the target's full vocabulary.
@@ -681,13 +685,14 @@ def full_vocab_rows(
     """
     teacher_CV = torch.softmax(target_logits(true_CH, target_lm_head_VH), -1)
     logits_CV = (pred_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
-    loss_sum = token_losses(objective, teacher_CV, logits_CV).sum()
+    logq_CV = log_probs(logits_CV)
+    loss_sum = token_losses(objective, teacher_CV, logq_CV).sum()
     with torch.no_grad():
         draft_C = logits_CV.argmax(-1)
         accepted = torch.stack([
             (draft_C == teacher_CV.argmax(-1)).sum().float(),
             teacher_CV.gather(1, draft_C[:, None]).sum(),
-            acceptance(teacher_CV, torch.softmax(logits_CV, -1)).sum(),
+            acceptance(teacher_CV, logq_CV.exp()).sum(),
         ])  # fmt: skip
     return torch.cat([loss_sum[None], accepted])
 

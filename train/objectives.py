@@ -20,7 +20,7 @@ that follow the draft's own chance to get there: c_j = exp(-CE_j) the draft's pr
 argmax at slot j (no gradient), c~_j = (1 - a) c_j + a, P_j = prod_{i<=j} c~_i, w_j = sum_{m>=j} P_m.
 
     objective = parse_objective("lk", eta=3.0)
-    loss_C = token_losses(objective, p_CVd, logits_CVd)     # [C]
+    loss_C = token_losses(objective, p_CVd, log_probs(logits_CVd))     # [C]
 """
 
 from __future__ import annotations
@@ -58,20 +58,27 @@ def acceptance(p_CV: Tensor, q_CV: Tensor) -> Tensor:
     return torch.minimum(p_CV, q_CV).sum(-1)
 
 
-def token_losses(objective: Objective, p_CV: Tensor, logits_CV: Tensor) -> Tensor:
-    """[C] the objective at each row: teacher rows p_CV (fp32, summing to 1) against the draft's logits."""
-    # fp32 at least (bf16 logits under autocast); fp64 stays fp64 (the gradient checks).
-    logq_CV = torch.log_softmax(logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32)), dim=-1)
+def log_probs(logits_CV: Tensor) -> Tensor:
+    """log q from the draft's logits, in fp32 at least (bf16 logits under autocast; fp64 stays fp64)."""
+    return torch.log_softmax(logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32)), dim=-1)
+
+
+def token_losses(objective: Objective, p_CV: Tensor, logq_CV: Tensor) -> Tensor:
+    """[C] the objective at each row: teacher rows p_CV (fp32, summing to 1) against the draft's
+    log-probabilities (`log_probs`); only the divergences it names are computed."""
     names = {name for name, _ in objective.terms}
     values = {}
     if names & {"kl", "lk"}:
         values["kl"] = -(p_CV * logq_CV).sum(-1)
-    if names & {"tv", "nla", "lk", "rkl"}:
+    if names - {"kl"}:
         q_CV = logq_CV.exp()
         alpha_C = acceptance(p_CV, q_CV)
         values["tv"] = 1 - alpha_C
-        values["nla"] = -torch.log(alpha_C.clamp(min=NLA_FLOOR))
-        values["rkl"] = (q_CV * (logq_CV - torch.log(p_CV.clamp(min=torch.finfo(p_CV.dtype).tiny)))).sum(-1)
+        if "nla" in names:
+            values["nla"] = -torch.log(alpha_C.clamp(min=NLA_FLOOR))
+        if "rkl" in names:
+            logp_CV = torch.log(p_CV.clamp(min=torch.finfo(p_CV.dtype).tiny))
+            values["rkl"] = (q_CV * (logq_CV - logp_CV)).sum(-1)
         if "lk" in names:
             lam_C = torch.exp(-objective.eta * alpha_C.detach())
             values["lk"] = lam_C * values["kl"] + (1 - lam_C) * values["tv"]
