@@ -252,8 +252,8 @@ def zeroed_mask_hidden(config: dict, weights: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "mistake", [pytest.param(other_mask_token, marks=pytest.mark.slow), zeroed_mask_hidden]
-)  # one vLLM engine each; the second mistake is caught the same way
+    "mistake", [pytest.param(m, marks=pytest.mark.slow) for m in (other_mask_token, zeroed_mask_hidden)]
+)  # one vLLM engine each, slow: the default suite's parity failures are test_parity_catches_a_wrong_export's
 def test_parity_catches_a_wrong_peagle_export(regen_peagle_head, mistake, tmp_path):
     """A P-EAGLE export with another mask token or a zeroed mask state loads and drafts; verification must
     fail. On the looping smoke target the mask slots draft from the context through attention: measured,

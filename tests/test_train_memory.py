@@ -82,6 +82,8 @@ def test_the_models_activations_follow_what_autograd_keeps(kind):
     assert 0.75 < modelled / (saved + predicted["half_weight_copies"]) < 1.4
 
 
+# Slow (90 s of subprocess start-ups): each stage it runs has its own default test; this checks the wiring.
+@pytest.mark.slow
 def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     """make gpu-check's own script at tiny shapes: every section passes, and the benchmark reports each
     head kind's step time, tokens/s and peak memory beside the model's prediction."""

@@ -217,7 +217,11 @@ def test_ttt_loss_aligns_teacher_with_tokens_and_weights_steps():
     draft_to_target = torch.unique(
         torch.cat([torch.arange(0, cfg.vocab_size, 2), torch.tensor([1, 3, 5, 7])])
     )
-    total, metrics = ttt_loss(model, batch, num_steps, 0.8, lm_head, draft_to_target, chunk_size=5)
+    training_total, training = ttt_loss(model, batch, num_steps, 0.8, lm_head, draft_to_target, chunk_size=5)
+    with torch.no_grad():  # held-out evaluation: the temperature-1 estimates too (training computes none)
+        total, metrics = ttt_loss(model, batch, num_steps, 0.8, lm_head, draft_to_target, chunk_size=5)
+    assert not any(key.startswith(("greedy_t1", "sampled_t1")) for key in training)
+    torch.testing.assert_close(training_total.detach(), total)
     # Expected by explicit indexing: step k at t predicts x_{t+2+k}, teacher = target distribution at t+1+k.
     logits_full = (batch["final_hidden"].float() @ lm_head.T).float()
     with torch.no_grad():

@@ -198,18 +198,26 @@ def step_loss(
 LOGIT_BUDGET_BYTES = 256 * 2**20
 
 
+def estimating() -> bool:
+    """Whether the temperature-1 acceptance estimates are computed: in held-out evaluation, which runs
+    without grad, only. Training reads none of them, and they cost a [M, Vd] product, exp and min per step."""
+    return not torch.is_grad_enabled()
+
+
 class RowLosses(NamedTuple):
     """Per prediction (M rows): the objective (with its graph) and, detached, what it says about acceptance."""
 
     loss: Tensor  # [M] the objective (train/objectives.py) against the teacher row
     correct: Tensor  # [M] bool: the draft's argmax is the target's (accepted at temperature 0)
-    greedy_t1: Tensor  # [M] p(argmax q): the draft's argmax accepted at temperature 1, as vLLM drafts
-    sampled_t1: Tensor  # [M] sum_v min(p_v, q_v): a token sampled from the draft accepted at temperature 1
     target_ce: Tensor  # [M] -log q(argmax p): the draft's confidence in the target's token (D-PACE)
+    # When `estimating()`, else None: [M] the acceptance at temperature 1 of the draft's argmax as vLLM
+    # drafts it, p(argmax q), and of a token sampled from the draft, sum_v min(p_v, q_v).
+    greedy_t1: Tensor | None
+    sampled_t1: Tensor | None
 
     @staticmethod
     def cat(parts: list[RowLosses]) -> RowLosses:
-        return RowLosses(*(torch.cat(field) for field in zip(*parts)))
+        return RowLosses(*(None if field[0] is None else torch.cat(field) for field in zip(*parts)))
 
 
 def objective_rows(
@@ -221,13 +229,16 @@ def objective_rows(
     teacher_CVd = probs_NVd[rows_C]
     logq_CVd = log_probs(logits_CVd)
     loss_C = token_losses(objective, teacher_CVd, logq_CVd)
+    estimate = estimating()
     with torch.no_grad():
-        p_CVd = teacher_CVd * mass_N[rows_C, None]
         draft_C, target_C = logits_CVd.argmax(-1), teacher_CVd.argmax(-1)
-        greedy_C = p_CVd.gather(1, draft_C[:, None]).squeeze(1)
-        sampled_C = acceptance(p_CVd, logq_CVd.exp())
         target_ce_C = -logq_CVd.gather(1, target_C[:, None]).squeeze(1)
-    return RowLosses(loss_C, draft_C == target_C, greedy_C, sampled_C, target_ce_C)
+        greedy_C = sampled_C = None
+        if estimate:
+            p_CVd = teacher_CVd * mass_N[rows_C, None]
+            greedy_C = p_CVd.gather(1, draft_C[:, None]).squeeze(1)
+            sampled_C = acceptance(p_CVd, logq_CVd.exp())
+    return RowLosses(loss_C, draft_C == target_C, target_ce_C, greedy_C, sampled_C)
 
 
 def draft_rows(model, objective: Objective, out_MH: Tensor, teacher: Teacher, rows_M: Tensor) -> RowLosses:
@@ -358,6 +369,8 @@ class Chains:
         """One position's rows, at `index` (batch, anchor) of an `eligible`-shaped layout (0 elsewhere)."""
         self.eligible.append(eligible)
         for name in self.FIELDS:
+            if getattr(rows, name) is None:  # not estimating
+                continue
             laid_out = torch.zeros(eligible.shape, dtype=torch.float32, device=eligible.device)
             laid_out[index] = getattr(rows, name).float()
             self.values[name].append(laid_out)
@@ -367,6 +380,8 @@ class Chains:
         expectations at temperature 1, greedy_t1_* and sampled_t1_*, into `metrics`."""
         eligible = torch.stack(self.eligible)
         for name, prefix in zip(self.FIELDS, ("chain", "greedy_t1", "sampled_t1")):
+            if not self.values[name]:
+                continue
             hits_K, totals_K = chain_counts(torch.stack(self.values[name]), eligible)
             for k in range(len(self.eligible)):
                 metrics[f"{prefix}_hits_{k}"], metrics[f"{prefix}_total_{k}"] = hits_K[k], totals_K[k]
@@ -687,13 +702,18 @@ def full_vocab_rows(
     logits_CV = (pred_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
     logq_CV = log_probs(logits_CV)
     loss_sum = token_losses(objective, teacher_CV, logq_CV).sum()
+    estimate = estimating()
     with torch.no_grad():
         draft_C = logits_CV.argmax(-1)
-        accepted = torch.stack([
-            (draft_C == teacher_CV.argmax(-1)).sum().float(),
-            teacher_CV.gather(1, draft_C[:, None]).sum(),
-            acceptance(teacher_CV, logq_CV.exp()).sum(),
-        ])  # fmt: skip
+        correct = (draft_C == teacher_CV.argmax(-1)).sum().float()
+        if estimate:
+            greedy, sampled = (
+                teacher_CV.gather(1, draft_C[:, None]).sum(),
+                acceptance(teacher_CV, logq_CV.exp()).sum(),
+            )
+        else:
+            greedy = sampled = torch.zeros_like(correct)  # not read in training
+        accepted = torch.stack([correct, greedy, sampled])
     return torch.cat([loss_sum[None], accepted])
 
 

@@ -181,6 +181,9 @@ def run(cfg: DictConfig) -> dict:
         record = head_record(cfg, head, cache_dir, cache_manifest, num_steps, world, final_eval)
         write_head(run_dir / "draft_head", record, exported, cache_dir / "vocab.safetensors")
         log.info("final head: %s", run_dir / "draft_head")
+    # Every rank tears its process group down together: a rank that destroyed its gloo group and exited
+    # while rank 0 still wrote the head aborted once in CI ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return final_eval
 
