@@ -321,6 +321,9 @@ def test_collapse_is_judged_against_trains_estimate():
     assert not collapsed(1.0, None) and not collapsed(1.0, 1.05)  # nothing promised: nothing to judge
 
 
+# Slow (28 s, one vLLM engine): the judgement is test_collapse_is_judged_against_trains_estimate's, and a
+# failed verification in vLLM is test_parity_catches_a_wrong_export's.
+@pytest.mark.slow
 def test_a_head_that_does_not_draft_fails_verification_naming_both_numbers(regen_head, tmp_path):
     # Finite, sane weights and a matching checksum, and both decoders agree (parity passes) - but the head
     # never drafts a token the target accepts, where train promised ~1.7.

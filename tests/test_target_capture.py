@@ -239,6 +239,8 @@ def test_vllm_states_equal_transformers_states_per_layer(vllm_run, smoke_run):
             assert relative_error(a["final_hidden"], b["final_hidden"]) < 2**-8, (split, index)
 
 
+# Slow (26 s): the states themselves are compared per layer by the default test above.
+@pytest.mark.slow
 def test_heads_trained_on_vllm_and_transformers_states_agree(vllm_run, smoke_run, tmp_path):
     from train.main import run as train
 
