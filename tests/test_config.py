@@ -174,10 +174,11 @@ def test_gpu_recipe(experiment, num_layers):
     assert 100 <= cfg.optim.warmup_ratio * num_steps <= 0.02 * num_steps
     assert cfg.optim.lr == 1e-4 and cfg.optim.max_grad_norm == 0.5 and cfg.train.mixed_precision == "bf16"
     assert cfg.train.save_every <= num_steps / 10 and cfg.train.report_to == "wandb"
+    assert cfg.train.loss == "lk"  # the published gain at scale (docs/recipe.md#objectives)
 
     assert cfg.export.verify and cfg.export.format == "speculators" and cfg.export.vllm_kwargs.max_model_len
     assert [list(head.num_speculative_tokens) for head in cfg.eval.heads] == [[1, 2, 3, 4, 5]]
-    assert list(cfg.eval.concurrency) == [1, 2, 4, 8, 16, 32, 64]
+    assert list(cfg.eval.concurrency) == [1, 2, 4, 8, 16, 32, 64] and list(cfg.eval.temperature) == [0, 1]
     assert [w.source for w in cfg.eval.workloads] == ["chat", "code"]
     assert all(w.num_prompts >= 64 for w in cfg.eval.workloads)  # at least one full batch at concurrency 64
     assert cfg.eval.server_args["max-model-len"] >= cfg.render.max_length
