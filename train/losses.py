@@ -693,8 +693,8 @@ def full_vocab_rows(
     objective: Objective, pred_CH: Tensor, true_CH: Tensor, target_lm_head_VH: Tensor
 ) -> Tensor:
     """[4]: the sum over rows of the objective between softmax(lm_head(true)) and lm_head(pred), and
-    (detached) of rows whose argmaxes agree, of p(argmax q) and of sum min(p, q) (`RowLosses`): EAGLE-1's
-    loss over the target's full vocabulary.
+    (detached) of rows whose argmaxes agree, of p(argmax q) and of sum min(p, q) (`RowLosses`; these two
+    are 0 unless `estimating()`): EAGLE-1's loss over the target's full vocabulary.
 
     Logits are computed in the lm_head's dtype, as the target computes them, then soft-maxed in fp32.
     """
