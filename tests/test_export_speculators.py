@@ -16,7 +16,7 @@ from export.main import run as export
 from export.to_vllm import export_head
 from export.verify import export_differences
 from heads.head_file import read_head
-from tests.helpers import smoke_config
+from tests.helpers import DFLASH, smoke_config
 from train.main import run as train
 
 speculators = pytest.importorskip("speculators")  # `make setup` installs it (--no-deps)
@@ -24,13 +24,7 @@ speculators = pytest.importorskip("speculators")  # `make setup` installs it (--
 KINDS = {
     "eagle3": (),
     "peagle": ("head.kind=peagle", "head.num_layers=2", "head.mask_token_id=5"),
-    "dflash": (
-        "head.kind=dflash",
-        "head.num_layers=2",
-        "head.block_size=5",
-        "head.mask_token_id=5",
-        "head.min_block_size=2",
-    ),
+    "dflash": DFLASH,
 }
 
 
