@@ -265,8 +265,9 @@ class HeadConfig:
     num_anchors: int = checked(512, POSITIVE)  # DFlash: random anchors (blocks) per sequence and step
     # DFlash: mask slot k's loss weighs exp(-(k-1)/loss_decay) (the paper: 7 for block 16, 4 for block 8)
     loss_decay: float = checked(4.0, POSITIVE)
-    # DFlash: decay (slot k weighs exp(-(k-1)/loss_decay)) | dpace (each prediction weighs the draft's chance
-    # to reach it and those after it: D-PACE, train/objectives.py dpace_weights)
+    # decay (DFlash slot k weighs exp(-(k-1)/loss_decay), TTT step / P-EAGLE depth k gamma^k) | dpace (each
+    # prediction of a draft chain - block, TTT steps, depths - weighs the draft's chance to reach it and those
+    # after it: D-PACE, train/objectives.py dpace_weights)
     position_weights: str = checked("decay", one_of("decay", "dpace"))
     dpace_a: float = checked(0.5, within(0, 1))  # D-PACE's floor a in c~ = (1 - a) c + a
     causal: bool = False  # DFlash: causal attention inside a block (default: bidirectional, as served)
@@ -631,12 +632,8 @@ def check_combinations(cfg: DictConfig) -> None:
             "dflash",
             f"eagle3 or peagle for {', '.join(norms)} (EAGLE-3's norms; DFlash has none)",
         )
-    if cfg.head.position_weights == "dpace" and cfg.head.kind != "dflash":
-        refuse(
-            "head.position_weights",
-            "dpace",
-            f"decay for a {cfg.head.kind} head (D-PACE weighs DFlash blocks)",
-        )
+    if cfg.head.position_weights == "dpace" and cfg.head.kind == "eagle1":
+        refuse("head.position_weights", "dpace", "decay for an eagle1 head (EAGLE-1 trains one position)")
     if cfg.head.num_layers != 1 and cfg.head.kind not in ("peagle", "dflash"):
         refuse(
             "head.num_layers",

@@ -312,8 +312,8 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
             "eval.heads[0].prompt_lookup_min=5",
         ),
         (
-            ["head.kind=peagle", "head.position_weights=dpace"],
-            "head.position_weights=dpace: must be decay for a peagle head (D-PACE weighs DFlash blocks)",
+            ["head.kind=eagle1", "head.position_weights=dpace"],
+            "head.position_weights=dpace: must be decay for an eagle1 head (EAGLE-1 trains one position)",
         ),
         (
             ["eval.heads=[{name: n, method: ngram, draft_sample_method: probabilistic}]"],

@@ -63,8 +63,13 @@ def test_golden_first_losses_and_final_head(train_run):
 
 @pytest.mark.parametrize(
     "overrides",
-    [("train.loss=lk",), ("train.loss=0.1*kl+0.9*tv", *PEAGLE), (*DFLASH, "head.position_weights=dpace")],
-    ids=["eagle3_lk", "peagle_kl_tv", "dflash_dpace"],
+    [
+        ("train.loss=lk",),
+        ("train.loss=0.1*kl+0.9*tv", *PEAGLE),
+        (*PEAGLE, "head.position_weights=dpace"),
+        (*DFLASH, "head.position_weights=dpace"),
+    ],
+    ids=["eagle3_lk", "peagle_kl_tv", "peagle_dpace", "dflash_dpace"],
 )
 def test_other_objectives_train_and_report_acceptance_at_temperature_1(train_run, overrides):
     """Every head kind trains under another objective (train/objectives.py), its held-out metrics with

@@ -153,6 +153,68 @@ def test_depth_zero_is_eagle3s_first_ttt_step_and_gradients_reach_the_mask_state
         assert metrics[f"chain_total_{d}"] >= metrics[f"chain_hits_{d}"] >= 0
 
 
+@pytest.mark.parametrize("kind", ["peagle", "eagle3"])
+def test_dpace_weighs_each_depth_by_its_anchors_chain(kind):
+    """D-PACE over TTT steps and P-EAGLE depths (COD anchors: deeper depths keep fewer), by hand: depth d at
+    anchor t weighs sum_{m>=d} prod_{i<=m} (a + (1 - a) q_i(target's argmax)) over the depths that anchor
+    trains, a target argmax outside the draft vocabulary counting q = 0; each depth's loss stays a mean."""
+    from train.losses import ttt_rollout
+
+    model = random_draft(tiny_config())
+    batch, a, num_depths = loss_batch(seed=6), 0.5, 3
+    lm_head, d2t = torch.randn(40, 64) * 3, torch.arange(24)
+    anchors = [None] * num_depths
+    if kind == "peagle":
+        anchors = cod_anchors(batch, num_depths, 0.6, row_generators(batch, torch.Generator().manual_seed(3)))
+        total, metrics = parallel_loss(
+            model, batch, num_depths, 0.8, lm_head, d2t, 7, anchors=anchors, dpace=a
+        )
+    else:
+        total, metrics = ttt_loss(model, batch, num_depths, 0.8, lm_head, d2t, 7, dpace=a)
+    with torch.no_grad():
+        if kind == "peagle":
+            outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
+        else:
+            outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_depths)
+        logits = batch["final_hidden"] @ lm_head.T
+        teacher = torch.softmax(logits[..., d2t], -1)
+    b, t = batch["input_ids"].shape
+    sums, counts, outside = [0.0] * num_depths, [0] * num_depths, 0
+    for row in range(b):
+        for anchor in range(t):
+            depths, logqs = [], []
+            for d in range(num_depths):
+                kept = anchors[d] is None or anchor in anchors[d].index_BM[row][anchors[d].keep_BM[row]]
+                if not kept or anchor + 2 + d >= t or not batch["loss_mask"][row, anchor + 2 + d]:
+                    continue
+                m = (
+                    anchor
+                    if anchors[d] is None
+                    else int((anchors[d].index_BM[row] == anchor).nonzero()[0, 0])
+                )
+                depths.append(d)
+                logqs.append(torch.log_softmax(model.logits(outs[d][row, m]).detach().float(), -1))
+            c = []
+            for d, logq in zip(depths, logqs):
+                argmax = int(logits[row, anchor + 1 + d].argmax())
+                q = float(logq[argmax].exp()) if argmax < 24 else 0.0
+                c.append(a + (1 - a) * q)
+            for i, (d, logq) in enumerate(zip(depths, logqs)):
+                counts[d] += 1
+                if int(logits[row, anchor + 1 + d].argmax()) >= 24:
+                    outside += 1
+                    continue  # no loss: the target's token is outside the draft vocabulary
+                weight = sum(math.prod(c[: j + 1]) for j in range(i, len(depths)))
+                sums[d] += weight * -float((teacher[row, anchor + 1 + d] * logq).sum())
+    assert outside > 0
+    if kind == "peagle":
+        assert counts[2] < counts[1] < counts[0]  # COD: fewer anchors deeper
+    for d in range(num_depths):
+        assert int(metrics[f"num_pred_{d}"]) == counts[d]
+        assert float(metrics[f"loss_{d}"]) == pytest.approx(sums[d] / counts[d], rel=1e-4)
+    assert float(total.detach()) == pytest.approx(sum(s / n for s, n in zip(sums, counts)), rel=1e-4)
+
+
 def test_a_head_without_a_mask_token_is_refused():
     model = random_draft(tiny_config(mask_token_id=None))
     with pytest.raises(ValueError, match="mask_token_id"):

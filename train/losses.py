@@ -319,18 +319,17 @@ def depth_losses(
     weights: list[float],
     denominators: Tensor | None = None,
     anchors: list[Anchors | None] | None = None,
+    dpace: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """sum_k weights[k] * loss_k and the metrics, from each depth's pre-norm outputs (TTT steps or P-EAGLE
     depths); loss_k the mean of the objective over depth k's predictions (`position_loss`,
-    `depth_predictions`).
+    `depth_predictions`), each weighed by D-PACE over its anchor's chain with `dpace` = a (`chain_weights`).
 
     outs[k] is [B, T, H] (every position an anchor) or, with anchors[k], [B, M, H] at anchors[k].index_BM.
     Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
     """
     in_draft_BT = teacher.in_draft_BT
-    total = torch.zeros((), device=in_draft_BT.device)
-    metrics: dict[str, torch.Tensor] = {}
-    chains = Chains()
+    positions = []
     for step, out_BMH in enumerate(outs):
         depth_anchors = anchors[step] if anchors is not None else None
         # Eligible for the acceptance estimate: an assistant token to predict, whatever the target's argmax.
@@ -347,9 +346,26 @@ def depth_losses(
         rows = draft_rows(
             model, objective, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step]
         )
-        chains.add(rows, eligible_BT, (batch_M, pos_M))
-        loss = position_loss(metrics, step, rows, eligible_BT.sum(), denominators)
-        total = total + weights[step] * loss
+        positions.append((rows, eligible_BT, (batch_M, pos_M)))
+    return weighed_total(positions, weights, denominators, dpace)
+
+
+def weighed_total(
+    positions: list[tuple[RowLosses, Tensor, tuple[Tensor, Tensor]]],
+    weights: list[float],
+    denominators: Tensor | None,
+    dpace: float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """sum_k weights[k] * loss_k over a chain's positions (`chain_weights`' rows: D-PACE) and the metrics,
+    the chains' acceptance counts included (`Chains`)."""
+    total = torch.zeros((), device=positions[0][1].device)
+    metrics: dict[str, Tensor] = {}
+    chains = Chains()
+    row_weights = chain_weights(positions, dpace)
+    for k, (rows, eligible, index) in enumerate(positions):
+        chains.add(rows, eligible, index)
+        loss = position_loss(metrics, k, rows, eligible.sum(), denominators, row_weights[k])
+        total = total + weights[k] * loss
     chains.record(metrics)
     return total, metrics
 
@@ -387,6 +403,25 @@ class Chains:
                 metrics[f"{prefix}_hits_{k}"], metrics[f"{prefix}_total_{k}"] = hits_K[k], totals_K[k]
 
 
+def chain_weights(
+    positions: list[tuple[RowLosses, Tensor, tuple[Tensor, Tensor]]], dpace: float | None
+) -> list[Tensor | None]:
+    """Each position's per-prediction weights (None each: no D-PACE), from every position's (rows, eligible
+    layout, index into it) of one draft chain - a DFlash block's slots, an anchor's TTT steps or P-EAGLE
+    depths, laid out per anchor: with `dpace` = a, `dpace_weights` of the chain each prediction belongs to.
+    A prediction whose target token lies outside the draft vocabulary has no row and counts as one the
+    draft misses (c = 0)."""
+    if dpace is None:
+        return [None] * len(positions)
+    eligible_NK = torch.stack([eligible.flatten() for _, eligible, _ in positions], dim=-1)
+    ce_NK = torch.full(eligible_NK.shape, math.inf, device=eligible_NK.device)
+    flat = [index[0] * positions[0][1].shape[1] + index[1] for _, _, index in positions]
+    for k, ((rows, _, _), at) in enumerate(zip(positions, flat)):
+        ce_NK[at, k] = rows.target_ce.float()
+    weights_NK = dpace_weights(ce_NK, eligible_NK, dpace)
+    return [weights_NK[at, k] for k, at in enumerate(flat)]
+
+
 def batch_teacher(
     batch: dict[str, Tensor], target_lm_head: Tensor, draft_to_target: Tensor, chunk_size: int
 ) -> Teacher:
@@ -406,8 +441,10 @@ def ttt_loss(
     chunk_size: int,
     denominators: torch.Tensor | None = None,
     objective: Objective = KL,
+    dpace: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: `position_loss`, its denominators).
+    """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: `position_loss`, its denominators);
+    with `dpace` = a, sum_k loss_k, each prediction weighed by D-PACE over its anchor's chain of steps.
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
     optional attention_mask [B, T] (1 = real token; without it every position is real).
@@ -418,10 +455,10 @@ def ttt_loss(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
-    weights = depth_weights(gamma, num_steps)
+    weights = depth_weights(gamma, num_steps) if dpace is None else [1.0] * num_steps
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
-    return depth_losses(model, objective, outs, batch, teacher, weights, denominators)
+    return depth_losses(model, objective, outs, batch, teacher, weights, denominators, dpace=dpace)
 
 
 def depth_weights(gamma: float, num_steps: int) -> list[float]:
@@ -517,18 +554,19 @@ def parallel_loss(
     denominators: Tensor | None = None,
     anchors: list[Anchors | None] | None = None,
     objective: Objective = KL,
+    dpace: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """total = sum_d gamma^d loss_d over the K parallel depths, each the mean over its anchors (`anchors`,
-    `cod_anchors`'; None: every anchor at every depth); the batch and metrics as `ttt_loss`'s."""
+    `cod_anchors`'; None: every anchor at every depth); the batch, metrics and `dpace` as `ttt_loss`'s."""
     if num_depths < 1:
         raise ValueError(f"num_depths={num_depths}: parallel drafting needs at least one depth")
     if not model.config.parallel_drafting:
         raise ValueError("parallel_loss needs a head with a mask_token_id (head.kind=peagle)")
     anchors = anchors or [None] * num_depths
-    weights = depth_weights(gamma, num_depths)
+    weights = depth_weights(gamma, num_depths) if dpace is None else [1.0] * num_depths
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
-    return depth_losses(model, objective, outs, batch, teacher, weights, denominators, anchors)
+    return depth_losses(model, objective, outs, batch, teacher, weights, denominators, anchors, dpace)
 
 
 class Blocks(NamedTuple):
@@ -639,32 +677,14 @@ def block_loss(
             teacher.row_BT[batch_R, position_BM[batch_R, row_R] - 1],
         )
         slots.append((rows, eligible_BM, (batch_R, row_R)))
-    row_weights = [None] * num_slots
-    if dpace is not None:
-        eligible_BMK = torch.stack([eligible for _, eligible, _ in slots], dim=-1)
-        ce_BMK = torch.full(eligible_BMK.shape, math.inf, device=eligible_BMK.device)
-        for k, (rows, _, index) in enumerate(slots):
-            ce_BMK[(*index, torch.full_like(index[0], k))] = rows.target_ce.float()
-        weights_BMK = dpace_weights(ce_BMK.flatten(0, 1), eligible_BMK.flatten(0, 1), dpace).view_as(ce_BMK)
-        row_weights = [
-            weights_BMK[(*index, torch.full_like(index[0], k))] for k, (_, _, index) in enumerate(slots)
-        ]
-    total = torch.zeros((), device=out_BMJH.device)
-    metrics: dict[str, Tensor] = {}
-    chains = Chains()
-    for k, (rows, eligible_BM, index) in enumerate(slots):
-        chains.add(rows, eligible_BM, index)
-        loss = position_loss(metrics, k, rows, eligible_BM.sum(), denominators, row_weights[k])
-        total = total + weights[k] * loss
-    chains.record(metrics)
-    return total, metrics
+    return weighed_total(slots, weights, denominators, dpace)
 
 
 def loss_weights(head_cfg, num_steps: int) -> list[float]:
     """The weight of draft position k's loss: gamma^k (EAGLE-3's TTT steps, P-EAGLE's depths), or DFlash's
     exp(-k / loss_decay) over its mask slots (arXiv 2602.06036); 1 under D-PACE, whose weights are per
-    prediction (`block_loss`)."""
-    if head_cfg.kind == "dflash" and head_cfg.position_weights == "dpace":
+    prediction (`chain_weights`)."""
+    if head_cfg.position_weights == "dpace":
         return [1.0] * num_steps
     if head_cfg.kind == "dflash":
         return [math.exp(-k / head_cfg.loss_decay) for k in range(num_steps)]

@@ -107,7 +107,7 @@ class DraftWithLoss(torch.nn.Module):
         if self.kind == "peagle":
             return parallel_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominators, draws, self.objective,
+                self.draft_to_target, self.chunk_size, denominators, draws, self.objective, self.dpace,
             )  # fmt: skip
         if self.kind == "dflash":
             return block_loss(
@@ -117,7 +117,7 @@ class DraftWithLoss(torch.nn.Module):
         if self.kind == "eagle3":
             return ttt_loss(
                 self.draft, batch, self.num_steps, self.head_cfg.gamma, self.target_lm_head,
-                self.draft_to_target, self.chunk_size, denominators, self.objective,
+                self.draft_to_target, self.chunk_size, denominators, self.objective, self.dpace,
             )  # fmt: skip
         total, metrics = eagle1_loss(
             self.draft, batch, self.target_lm_head, self.chunk_size, noise_range=self.head_cfg.eagle1_noise,

@@ -1,5 +1,5 @@
 """What each draft prediction is trained to minimise (`train.loss`) and how a block's positions are weighed
-(`train.position_weights`): pure functions on tensors, used by every loss in train/losses.py.
+(`head.position_weights`): pure functions on tensors, used by every loss in train/losses.py.
 
 p is the target's distribution over the draft vocabulary (the teacher row), q = softmax(draft logits), and
 alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), the probability that a token sampled from q is accepted by
@@ -15,8 +15,9 @@ rejection sampling against p (docs/design.md#objectives). The divergences, per t
 
 `train.loss` names one, or a weighted sum such as "0.1*kl+0.9*tv" (`parse_objective`).
 
-D-PACE (arXiv 2605.18810, `dpace_weights`) replaces a block's decay weights exp(-(k-1)/decay) by weights
-that follow the draft's own chance to get there: c_j = exp(-CE_j) the draft's probability of the target's
+D-PACE (arXiv 2605.18810, `dpace_weights`) replaces a draft chain's fixed position weights (a DFlash block's
+exp(-(k-1)/decay), gamma^k over TTT steps and P-EAGLE depths) by weights that follow the draft's own chance
+to get there (train/losses.py `chain_weights` lays every chain out per anchor): c_j = exp(-CE_j) the draft's probability of the target's
 argmax at slot j (no gradient), c~_j = (1 - a) c_j + a, P_j = prod_{i<=j} c~_i, w_j = sum_{m>=j} P_m.
 
     objective = parse_objective("lk", eta=3.0)
