@@ -83,6 +83,20 @@ class AcceptanceCounts:
         counts = [self.num_drafts, *self.accepted_per_position]
         return [b / a if a else float("nan") for a, b in zip(counts, counts[1:])]
 
+    def mean_acceptance_bounds(self, z: float) -> tuple[float, float]:
+        """(low, high): the mean acceptance length +- z standard errors over these drafts (nan without any).
+
+        A draft's accepted count is A = sum_i X_i with X_i = 1[position i accepted]; vLLM accepts a prefix,
+        so X_j = 1 implies X_i = 1 for i < j, E[X_i X_j] = p_j and Var(A) = sum_i p_i (1 - p_i)
+        + 2 sum_{i<j} p_j (1 - p_i), from the per-position counts alone (p_i `per_position`)."""
+        if not self.num_drafts:
+            return float("nan"), float("nan")
+        p = self.per_position
+        variance = sum(pi * (1 - pi) for pi in p)
+        variance += 2 * sum(p[j] * (1 - p[i]) for j in range(len(p)) for i in range(j))
+        half = z * math.sqrt(max(variance, 0.0) / self.num_drafts)
+        return self.mean_acceptance_length - half, self.mean_acceptance_length + half
+
     def summary(self) -> dict:
         return {
             "num_drafts": self.num_drafts,

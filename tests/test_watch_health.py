@@ -1,0 +1,261 @@
+"""The acceptance watch's verdicts (eval/health.py) on recorded metric sequences: `/metrics` texts in vLLM
+0.32's exposition format (counters with _total and _created, engine and model_name labels, the per-position
+counter's position label, histogram buckets), from a server whose acceptance holds, drops, drifts,
+restarts or does not draft."""
+
+import json
+import math
+import random
+
+import pytest
+
+from eval.health import (
+    Histogram,
+    expected_from_results,
+    expected_from_verification,
+    judge,
+    read_snapshot,
+    window,
+)
+from heads.acceptance import AcceptanceCounts
+
+MODEL = "/models/SmolLM2-135M-Instruct"
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+MEASURED = [0.36, 0.10]  # the head's conditional acceptance at positions 0 and 1 (k=2), as eval measured
+
+
+class Server:
+    """Cumulative counters of a simulated vLLM server with a k=2 head, rendered as its /metrics text."""
+
+    def __init__(self, seed=0, speculating=True):
+        self.rng = random.Random(seed)
+        self.speculating = speculating
+        self.drafts = self.accepted = self.generated = self.requests = 0
+        self.per_pos = [0, 0]
+        self.itl: list[float] = []
+        self.e2e_sum = 0.0
+        self.time = 0.0
+
+    def serve(self, seconds, rounds, conditional=MEASURED, itl_s=0.028, concurrency=1.0):
+        for _ in range(rounds):
+            accepted = 0
+            if self.speculating:
+                for rate in conditional:
+                    if self.rng.random() >= rate:
+                        break
+                    accepted += 1
+                self.drafts += 1
+                self.accepted += accepted
+                for i in range(accepted):
+                    self.per_pos[i] += 1
+            self.generated += accepted + 1
+            self.itl.append(itl_s * self.rng.uniform(0.9, 1.1))
+        self.requests += rounds // 100
+        self.e2e_sum += seconds * concurrency
+        self.time += seconds
+        return self
+
+    def metrics(self) -> str:
+        labels = f'engine="0",model_name="{MODEL}"'
+        lines = []
+
+        def counter(name, value, extra=""):
+            lines.extend([f"# TYPE {name} counter", f"{name}_total{{{labels}{extra}}} {float(value)}"])
+            lines.append(f"{name}_created{{{labels}{extra}}} 1.7e9")
+
+        counter("vllm:generation_tokens", self.generated)
+        counter("vllm:request_success", self.requests, ',finished_reason="length"')
+        if self.speculating:
+            counter("vllm:spec_decode_num_drafts", self.drafts)
+            counter("vllm:spec_decode_num_draft_tokens", 2 * self.drafts)
+            counter("vllm:spec_decode_num_accepted_tokens", self.accepted)
+            lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
+            for i, value in enumerate(self.per_pos):
+                lines.append(
+                    f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(value)}'
+                )
+        for name, values, total in (
+            ("vllm:inter_token_latency_seconds", self.itl, sum(self.itl)),
+            ("vllm:e2e_request_latency_seconds", [], self.e2e_sum),
+        ):
+            lines.append(f"# TYPE {name} histogram")
+            for le in [*ITL_BUCKETS, math.inf]:
+                bound = "+Inf" if math.isinf(le) else str(le)
+                lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(sum(v <= le for v in values))}')
+            lines.append(f"{name}_count{{{labels}}} {float(len(values))}")
+            lines.append(f"{name}_sum{{{labels}}} {total}")
+        lines.append("# TYPE vllm:num_requests_running gauge")
+        lines.append(f"vllm:num_requests_running{{{labels}}} 1.0")
+        return "\n".join(lines) + "\n"
+
+    def snapshot(self):
+        return read_snapshot(self.metrics(), self.time)
+
+
+def eval_counts(conditional, drafts=900, seed=1) -> AcceptanceCounts:
+    rng, counts = random.Random(seed), AcceptanceCounts()
+    for _ in range(drafts):
+        accepted = 0
+        for rate in conditional:
+            if rng.random() >= rate:
+                break
+            accepted += 1
+        counts.observe(2, accepted)
+    return counts
+
+
+@pytest.fixture
+def results(tmp_path):
+    """An eval results.json of the head at k=2: chat and code, concurrency 1 and 4, T=0; a baseline."""
+    runs = [{"head": None, "k": 0, "workload": "chat", "concurrency": 1, "acceptance": {}}]
+    for workload, seed in (("chat", 1), ("code", 2)):
+        for concurrency, speedup, p99 in ((1, 1.20, 31.0), (4, 0.85, 60.0)):
+            runs.append(
+                {
+                    "head": "peagle",
+                    "k": 2,
+                    "schedule": None,
+                    "workload": f"{workload} T=0",
+                    "workload_name": workload,
+                    "temperature": 0.0,
+                    "concurrency": concurrency,
+                    "acceptance": eval_counts(MEASURED, seed=seed).summary(),
+                    "speedup": speedup,
+                    "itl_ms": {"p50": 28.0, "p99": p99},
+                }
+            )
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"runs": runs}))
+    return path
+
+
+def timeline(server, expected, phases):
+    """Verdicts of consecutive 60 s windows; phases: [(windows, serve kwargs)]."""
+    verdicts, previous, before = [], "healthy", server.snapshot()
+    for count, kwargs in phases:
+        for _ in range(count):
+            server.serve(60.0, 800, **kwargs)
+            after = server.snapshot()
+            verdict = judge(window(before, after), expected, previous)
+            verdicts.append(verdict)
+            previous, before = verdict.name, after
+    return verdicts
+
+
+def test_a_head_serving_as_measured_is_healthy_on_every_window(results):
+    expected = expected_from_results(results, "peagle", 2)
+    verdicts = timeline(Server(), expected, [(40, {})])
+    assert [v.name for v in verdicts] == ["healthy"] * 40  # no false alarm in 40 windows
+    numbers = verdicts[-1].numbers
+    assert numbers["drafts"] == 800 and 1.3 < numbers["mean_acceptance_length"] < 1.5
+    assert numbers["concurrency"] == pytest.approx(1.0)
+    assert 25 < numbers["itl_p50_ms"] < 50 and numbers["break_even"] == pytest.approx(
+        expected.runs[0].acceptance.mean_acceptance_length / 1.2, rel=0.05
+    )
+
+
+def test_a_sudden_drop_is_degraded_at_once_and_recovers(results):
+    expected = expected_from_results(results, "peagle", 2)
+    dropped = {"conditional": [0.24, 0.08]}  # still above break-even (~1.15), below the measured band
+    verdicts = [v.name for v in timeline(Server(), expected, [(10, {}), (5, dropped), (5, {})])]
+    assert verdicts[:10] == ["healthy"] * 10
+    assert verdicts[10] == "degraded" and set(verdicts[10:15]) == {"degraded"}
+    assert verdicts[-3:] == ["healthy"] * 3
+
+
+def test_below_break_even_is_net_negative_at_the_observed_concurrency(results):
+    expected = expected_from_results(results, "peagle", 2)
+    collapsed = {"conditional": [0.05, 0.05]}
+    assert [v.name for v in timeline(Server(), expected, [(3, collapsed)])] == ["net-negative"] * 3
+    # At concurrency 4 eval measured 0.85x: even the head's measured acceptance does not pay there.
+    busy = timeline(Server(), expected, [(3, {"concurrency": 4.0})])
+    assert [v.name for v in busy] == ["net-negative"] * 3
+    assert busy[0].numbers["break_even"] > expected.band_low(3.0)
+
+
+def test_a_slow_drift_is_caught_after_it_crosses_the_band_not_before(results):
+    expected = expected_from_results(results, "peagle", 2)
+    band = expected.band_low(3.0)
+    phases = [(1, {"conditional": [0.36 - 0.006 * i, 0.10]}) for i in range(30)]
+    verdicts = timeline(Server(seed=3), expected, phases)
+    true_length = [1 + (0.36 - 0.006 * i) * (1 + 0.10) for i in range(30)]
+    first = next(i for i, v in enumerate(verdicts) if v.name != "healthy")
+    assert verdicts[first].name == "degraded"
+    assert true_length[first] < band  # no alarm while the true acceptance was inside the band
+    crossed = next(i for i, length in enumerate(true_length) if length < band)
+    assert first - crossed <= 10
+
+
+def test_a_restart_starts_a_new_baseline(results):
+    expected = expected_from_results(results, "peagle", 2)
+    server = Server()
+    before = server.serve(60.0, 800).snapshot()
+    restarted = Server(seed=5).serve(30.0, 200)  # counters from zero again
+    restarted.time = server.time + 30.0
+    new_start = restarted.snapshot()
+    current = window(before, new_start)
+    assert current.restarted and current.acceptance.num_drafts == 200
+    assert judge(current, expected).name == "restarted"
+    after = restarted.serve(60.0, 800).snapshot()
+    assert judge(window(new_start, after), expected).name == "healthy"
+
+
+def test_no_drafts_idle_and_not_vllm(results):
+    expected = expected_from_results(results, "peagle", 2)
+    plain = Server(speculating=False)
+    before = plain.snapshot()
+    verdict = judge(window(before, plain.serve(60.0, 500).snapshot()), expected)
+    assert verdict.name == "no-speculation" and verdict.exit_code == 2
+    idle = Server()
+    first = idle.snapshot()
+    idle.time += 60.0
+    assert judge(window(first, idle.snapshot()), expected).name == "idle"
+    with pytest.raises(ValueError, match="not a vLLM server"):
+        read_snapshot("# TYPE http_requests counter\nhttp_requests_total 3.0\n", 0.0)
+
+
+def test_inter_token_latency_above_the_measured_p99_is_latency(results):
+    expected = expected_from_results(results, "peagle", 2)
+    verdicts = timeline(Server(), expected, [(2, {}), (2, {"itl_s": 0.080})])
+    assert [v.name for v in verdicts] == ["healthy", "healthy", "latency", "latency"]
+    assert verdicts[-1].exit_code == 1
+
+
+def test_expected_reads_what_eval_measured_and_names_what_is_missing(results, tmp_path):
+    chat = expected_from_results(results, "peagle", 2, workload="chat")
+    assert {run.workload for run in chat.runs} == {"chat"} and len(chat.runs) == 2
+    assert [run.concurrency for run in chat.nearest(3.0)] == [4]
+    with pytest.raises(
+        ValueError, match=r"results.json: no run of head 'peagle' at k=3.*\('peagle', 2, 0.0\)"
+    ):
+        expected_from_results(results, "peagle", 3)
+    verification = tmp_path / "verification.json"
+    verification.write_text(
+        json.dumps({"num_speculative_tokens": 2, "vllm": eval_counts(MEASURED).summary()})
+    )
+    offline = expected_from_verification(verification)
+    assert offline.k == 2 and offline.break_even(1.0) is None and offline.itl_p99_ms(1.0) is None
+
+
+def test_histogram_quantile_and_counts_above_by_hand():
+    hist = Histogram(((0.01, 0.0), (0.025, 10.0), (0.05, 90.0), (0.075, 100.0), (math.inf, 100.0)), 3.0)
+    assert hist.count == 100
+    assert hist.quantile(0.5) == pytest.approx(0.025 + 0.025 * 40 / 80)
+    assert hist.quantile(0.99) == pytest.approx(0.05 + 0.025 * 9 / 10)
+    assert hist.count_above(0.04) == 10  # above the 0.05 bound: never more than lie above 0.04
+    later = Histogram(tuple((le, c * 3) for le, c in hist.buckets), 9.0)
+    assert (later - hist).buckets == tuple((le, c * 2) for le, c in hist.buckets)
+
+
+def test_the_acceptance_length_interval_covers_as_often_as_it_says():
+    """mean_acceptance_bounds' variance (nested positions) against the spread of simulated windows."""
+    lengths = [eval_counts([0.5, 0.6], drafts=400, seed=seed).mean_acceptance_length for seed in range(300)]
+    spread = (sum((x - sum(lengths) / 300) ** 2 for x in lengths) / 299) ** 0.5
+    low, high = eval_counts([0.5, 0.6], drafts=400, seed=7).mean_acceptance_bounds(1.0)
+    assert (high - low) / 2 == pytest.approx(spread, rel=0.15)
+    truth = 1 + 0.5 + 0.5 * 0.6
+    covered = sum(
+        abs(c.mean_acceptance_length - truth) <= (c.mean_acceptance_bounds(2.0)[1] - c.mean_acceptance_length)
+        for c in (eval_counts([0.5, 0.6], drafts=400, seed=seed) for seed in range(300))
+    )
+    assert 0.92 < covered / 300 < 0.99  # ~95% at z = 2
