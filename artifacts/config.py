@@ -403,6 +403,34 @@ class EvalConfig:
 
 
 @dataclass
+class WatchConfig:
+    """eval/watch.py: a live vLLM server's acceptance held against what eval measured for its head
+    (docs/watch.md; the verdicts: eval/health.py)."""
+
+    url: str | None = None  # the server, e.g. http://localhost:8000 (its /metrics and /v1/models)
+    head: str | None = None  # the served head's export directory (None: <run_dir>/export)
+    # the model the server should serve (None: the head's target, from its export); set it after a
+    # base-model upgrade to judge the old head on the new target
+    target: str | None = None
+    # eval's results.json for that head (None: <run_dir>/eval/results.json; without one, the export's
+    # verification.json, which gives no break-even or latency)
+    results: str | None = None
+    eval_head: str | None = None  # the head's name in those results (None: the one served from `head`)
+    temperature: float = checked(0.0, NON_NEGATIVE)  # the traffic's sampling temperature, as eval measured
+    workload: str | None = None  # judge against this workload's measurement only (None: every workload's)
+    interval_s: float = checked(60.0, POSITIVE)  # one window per interval
+    windows: int = checked(0, NON_NEGATIVE)  # stop after this many windows (0: until interrupted)
+    once: bool = False  # one window, then exit 0 healthy / 1 retrain / 2 turn it off / 3 nothing to judge
+    z: float = checked(3.0, POSITIVE)  # confidence bounds: z standard errors
+    latency_margin: float = checked(0.5, NON_NEGATIVE)  # `latency` above eval's p99 x (1 + this)
+    out_dir: str | None = None  # timeline.jsonl, alert rules, Grafana panel (None: <run_dir>/watch)
+    traffic: str | None = None  # the served requests (OpenAI-style JSONL), for the retrain commands it prints
+    report_to: str = checked("none", REPORT_TO)  # none | wandb (offline mode needs no account)
+    wandb_project: str = "eagle-heads"
+    wandb_mode: str = checked("offline", WANDB_MODE)
+
+
+@dataclass
 class GridConfig:
     """train/grid.py: recipes trained side by side on one cache (conf/grid/*.yaml)."""
 
@@ -440,6 +468,7 @@ class PipelineConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     grid: GridConfig = field(default_factory=GridConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
 
 
 def unknown_keys(node, prefix: str = "") -> list[str]:
