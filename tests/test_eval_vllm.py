@@ -384,3 +384,50 @@ def test_the_serve_command_of_the_model_card_runs_as_printed(eval_run, tmp_path)
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+@pytest.mark.slow  # ~2 min: one more server (the default suite's budget); the stand-in server covers the rest
+def test_watch_holds_a_real_server_serving_the_head_against_evals_record(eval_run):
+    """The smoke head served by vLLM under eval's chat traffic: the watch reads the real /metrics, finds
+    the server's k, and judges its windows against the results eval wrote for the same head."""
+    import asyncio
+    import threading
+
+    from eval.client import run_load
+    from eval.grid import server_configs
+    from eval.watch import watch
+    from eval.workloads import workload_prompts
+    from target.model import load_config, load_tokenizer, target_dir
+
+    chat = "eval.workloads=[{name:chat,source:chat,num_prompts:6,max_tokens:32}]"
+    results = eval_run / "eval" / "results.json"
+    if not results.exists():  # run alone: eval first, as a user would
+        evaluate(smoke_config(eval_run, *EVAL, chat, "eval.concurrency=[1]", experiment="smoke_regen"))
+    cfg = smoke_config(eval_run, *EVAL, chat, experiment="smoke_regen")
+    target = target_dir(cfg.target)
+    head = next(c for c in server_configs(cfg, eval_run, load_config(cfg.target)) if c["head"])
+    prompts = workload_prompts("chat", load_tokenizer(cfg.target), eval_run / "cache", 6)
+    stop = threading.Event()
+    with VllmServer(
+        target, eval_run / "watch_server.log", dict(cfg.eval.server_args), head["speculative_config"]
+    ) as server:
+
+        def traffic():
+            while not stop.is_set():
+                asyncio.run(run_load(server.url, str(target), prompts, 1, 32))
+
+        thread = threading.Thread(target=traffic, daemon=True)
+        thread.start()
+        try:
+            watched = smoke_config(
+                eval_run, f"watch.url={server.url}", "watch.interval_s=10", "watch.windows=3",
+                "watch.workload=chat", "watch.z=4", experiment="smoke_regen",
+            )  # fmt: skip
+            status = watch(watched)
+        finally:
+            stop.set()
+            thread.join(timeout=120)
+    timeline = [json.loads(line) for line in (eval_run / "watch" / "timeline.jsonl").open()]
+    assert len(timeline) == 3 and all(r["drafts"] > 0 and r["requests"] > 0 for r in timeline)
+    assert [r["verdict"] for r in timeline] == ["healthy"] * 3 and status == 0, timeline
+    assert all(len(r["per_position"]) == 3 for r in timeline)  # the server's k, read from its counters
