@@ -57,6 +57,13 @@ def test_the_main_job_runs_every_engine_in_the_targets_dtype():
     assert [engine.dtype for engine in engines] == [cfg.target.dtype] * 3
 
 
+def test_the_main_job_and_its_comparisons_train_what_measured_best():
+    """docs/recipe.md#objectives: D-PACE over the depths, TTT steps and blocks, forward KL per token."""
+    for experiment in ("smollm2", "smollm2_eagle3", "smollm2_dflash"):
+        cfg = compose("config", [f"experiment={experiment}", "run_dir=/tmp/x"])
+        assert (cfg.head.position_weights, cfg.train.loss) == ("dpace", "kl"), experiment
+
+
 def test_smoke_experiment_composes_with_explicit_layer_ids():
     cfg = compose("config", ["experiment=smoke", "run_dir=/tmp/x"])
     assert cfg.target.path == "/tmp/x/smoke_target" and cfg.target.build == "smoke"
@@ -175,6 +182,7 @@ def test_gpu_recipe(experiment, num_layers):
     assert cfg.optim.lr == 1e-4 and cfg.optim.max_grad_norm == 0.5 and cfg.train.mixed_precision == "bf16"
     assert cfg.train.save_every <= num_steps / 10 and cfg.train.report_to == "wandb"
     assert cfg.train.loss == "lk"  # the published gain at scale (docs/recipe.md#objectives)
+    assert cfg.head.position_weights == "decay"  # D-PACE: within noise for EAGLE-3 here, published for DFlash
 
     assert cfg.export.verify and cfg.export.format == "speculators" and cfg.export.vllm_kwargs.max_model_len
     assert [list(head.num_speculative_tokens) for head in cfg.eval.heads] == [[1, 2, 3, 4, 5]]
