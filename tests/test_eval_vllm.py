@@ -436,4 +436,6 @@ def test_watch_holds_a_real_server_serving_the_head_against_evals_record(eval_ru
         timeline
     )
     assert [r["verdict"] for r in timeline] == ["net-negative"] * 3 and status == 2, timeline
-    assert all(len(r["per_position"]) == 3 and 0.8 < r["concurrency"] < 1.2 for r in timeline)  # k, c from vLLM
+    assert all(
+        len(r["per_position"]) == 3 and 0.8 < r["concurrency"] < 1.2 for r in timeline
+    )  # k, c from vLLM
