@@ -259,7 +259,7 @@ def expected_from_results(
             Measured(
                 run.get("workload_name", run["workload"]),
                 int(run["concurrency"]),
-                counts_from_summary(run["acceptance"]),
+                AcceptanceCounts.from_summary(run["acceptance"]),
                 run.get("speedup"),
                 run.get("itl_ms", {}).get("p99"),
             )
@@ -272,22 +272,12 @@ def expected_from_results(
 def expected_from_verification(verification_path: Path) -> Expected:
     """Export verification's vLLM acceptance (offline, T=0, its k): no break-even, no latency."""
     record = json.loads(Path(verification_path).read_text())
-    counts = counts_from_summary(record["vllm"])
+    counts = AcceptanceCounts.from_summary(record["vllm"])
     return Expected(
         int(record["num_speculative_tokens"]),
         0.0,
         (Measured("verification", 1, counts, None, None),),
         str(verification_path),
-    )
-
-
-def counts_from_summary(summary: dict) -> AcceptanceCounts:
-    """AcceptanceCounts from its `summary()` (eval's results, verification.json)."""
-    return AcceptanceCounts(
-        int(summary["num_drafts"]),
-        int(summary["num_draft_tokens"]),
-        int(summary["num_accepted_tokens"]),
-        [int(c) for c in summary["accepted_per_position"]],
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -97,11 +98,11 @@ def check_server(url: str, target: str | None) -> None:
         )
 
 
-def eval_head_name(results_path: Path, head_dir: Path) -> str:
+def eval_head_name(results: Path, head_dir: Path) -> str:
     """The name eval gave the head served from `head_dir` (a head without a path is its run's export)."""
-    config = json.loads(results_path.read_text()).get("config", {})
+    config = json.loads(results.read_text()).get("config", {})
     heads = config.get("heads") or config.get("eval", {}).get("heads") or []
-    run_export = results_path.parent.parent / "export"
+    run_export = results.parent.parent / "export"
     names = [
         h["name"]
         for h in heads
@@ -111,15 +112,20 @@ def eval_head_name(results_path: Path, head_dir: Path) -> str:
     if len(names) != 1:
         every = [h.get("name") for h in heads]
         raise WatchError(
-            f"{results_path}: {len(names)} heads served from {head_dir} (heads: {every}); name one with "
+            f"{results}: {len(names)} heads served from {head_dir} (heads: {every}); name one with "
             "watch.eval_head"
         )
     return names[0]
 
 
+def results_path(cfg: DictConfig) -> Path:
+    """eval's results.json for the watched head: watch.results, or the run's own eval."""
+    return Path(cfg.watch.results or Path(cfg.run_dir) / "eval" / "results.json")
+
+
 def load_expected(cfg: DictConfig, head_dir: Path, k: int) -> Expected:
     watch = cfg.watch
-    results = Path(watch.results or Path(cfg.run_dir) / "eval" / "results.json")
+    results = results_path(cfg)
     if results.exists():
         name = watch.eval_head or eval_head_name(results, head_dir)
         try:
@@ -163,7 +169,7 @@ def actions(verdict: Verdict, cfg: DictConfig, head_dir: Path, overrides: list[s
 def deploy_now(cfg: DictConfig) -> str:
     """eval's recommendation for this traffic (a smaller k, a per-batch-size schedule, another drafter),
     or serving without speculation."""
-    results = Path(cfg.watch.results or Path(cfg.run_dir) / "eval" / "results.json")
+    results = results_path(cfg)
     if results.exists():
         recommendations = json.loads(results.read_text()).get("recommendations") or []
         wanted = [r for r in recommendations if r.get("enable") and r.get("deploy")]
@@ -178,7 +184,7 @@ def deploy_now(cfg: DictConfig) -> str:
 def status_line(verdict: Verdict) -> str:
     n = verdict.numbers
     parts = [f"{verdict.name:>14}"]
-    if n.get("drafts"):
+    if "acceptance_low" in n:  # judged on its acceptance (not a restart, an idle or a draftless window)
         parts.append(
             f"L {n['mean_acceptance_length']:.3f} ({n['acceptance_low']:.3f}..{n['acceptance_high']:.3f})"
             f" expected >= {n['expected_low']:.3f}"
@@ -188,18 +194,23 @@ def status_line(verdict: Verdict) -> str:
     parts.append(
         f"{n['requests']:.0f} req, {n['generated_tokens']:.0f} tok, concurrency {n['concurrency']:.1f}"
     )
-    if n.get("itl_p50_ms") == n.get("itl_p50_ms"):  # not nan
+    if not math.isnan(n["itl_p50_ms"]):
         parts.append(f"ITL p50 {n['itl_p50_ms']:.0f} p99 {n['itl_p99_ms']:.0f} ms")
     return " | ".join(parts) + f" | {verdict.reason}"
+
+
+def acceptance_length_promql(model: str, over: str) -> str:
+    """PromQL for the mean acceptance length of `model`'s server over the last `over` (e.g. 10m)."""
+    return (
+        f'1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total{{model_name="{model}"}}[{over}])) / '
+        f'sum(rate(vllm:spec_decode_num_drafts_total{{model_name="{model}"}}[{over}]))'
+    )
 
 
 def alert_rules(expected: Expected, model: str, z: float) -> dict:
     """A Prometheus alerting-rule group from the head's record: the mean acceptance length over 10 minutes
     below the measured band (retrain) and below break-even at the lowest measured concurrency (turn off)."""
-    length = (
-        f'1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total{{model_name="{model}"}}[10m])) / '
-        f'sum(rate(vllm:spec_decode_num_drafts_total{{model_name="{model}"}}[10m]))'
-    )
+    length = acceptance_length_promql(model, "10m")
     rules = [
         {
             "alert": "SpeculativeHeadDegraded",
@@ -241,8 +252,7 @@ def grafana_panel(expected: Expected, model: str, z: float) -> dict:
         "title": "Mean acceptance length (speculative decoding)",
         "targets": [
             {
-                "expr": f'1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total{{model_name="{model}"}}[5m]))'
-                f' / sum(rate(vllm:spec_decode_num_drafts_total{{model_name="{model}"}}[5m]))',
+                "expr": acceptance_length_promql(model, "5m"),
                 "legendFormat": "acceptance length",
             }
         ],
@@ -322,8 +332,8 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
                     {k: v for k, v in record.items() if isinstance(v, (int, float))}
                     | {"verdict_code": verdict.exit_code}
                 )
-            if verdict.name not in ("idle",):
-                previous = verdict.name if verdict.name != "restarted" else previous
+            if verdict.name not in ("idle", "restarted"):  # nothing judged: the state stays
+                previous = verdict.name
             before, status, windows = after, verdict.exit_code, windows + 1
             if settings.once or (settings.windows and windows >= settings.windows):
                 return status

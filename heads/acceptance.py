@@ -110,6 +110,16 @@ class AcceptanceCounts:
         }
 
     @classmethod
+    def from_summary(cls, summary: dict) -> AcceptanceCounts:
+        """The counts back from their `summary()` (eval's results.json, export's verification.json)."""
+        return cls(
+            int(summary["num_drafts"]),
+            int(summary["num_draft_tokens"]),
+            int(summary["num_accepted_tokens"]),
+            [int(c) for c in summary["accepted_per_position"]],
+        )
+
+    @classmethod
     def from_vllm_metrics(cls, metrics) -> AcceptanceCounts:
         """From `vllm.LLM.get_metrics()` (cumulative since the engine started).
 

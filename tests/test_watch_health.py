@@ -17,6 +17,7 @@ from eval.health import (
     read_snapshot,
     window,
 )
+from eval.watch import status_line
 from heads.acceptance import AcceptanceCounts
 
 MODEL = "/models/SmolLM2-135M-Instruct"
@@ -195,7 +196,9 @@ def test_a_restart_starts_a_new_baseline(results):
     new_start = restarted.snapshot()
     current = window(before, new_start)
     assert current.restarted and current.acceptance.num_drafts == 200
-    assert judge(current, expected).name == "restarted"
+    verdict = judge(current, expected)
+    assert verdict.name == "restarted"
+    assert status_line(verdict).split(" | ")[0].strip() == "restarted"  # the watch prints every window
     after = restarted.serve(60.0, 800).snapshot()
     assert judge(window(new_start, after), expected).name == "healthy"
 

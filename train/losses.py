@@ -356,8 +356,11 @@ def weighed_total(
     denominators: Tensor | None,
     dpace: float | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """sum_k weights[k] * loss_k over a chain's positions (`chain_weights`' rows: D-PACE) and the metrics,
-    the chains' acceptance counts included (`Chains`)."""
+    """sum_k weights[k] * loss_k over a chain's positions and the metrics, the chains' acceptance counts
+    included (`Chains`); with `dpace` = a the weights are per prediction (`chain_weights`) and every
+    position's fixed weight is 1 (as `loss_weights` says for the logged total)."""
+    if dpace is not None:
+        weights = [1.0] * len(positions)
     total = torch.zeros((), device=positions[0][1].device)
     metrics: dict[str, Tensor] = {}
     chains = Chains()
@@ -455,7 +458,7 @@ def ttt_loss(
     """
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
-    weights = depth_weights(gamma, num_steps) if dpace is None else [1.0] * num_steps
+    weights = depth_weights(gamma, num_steps)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
     return depth_losses(model, objective, outs, batch, teacher, weights, denominators, dpace=dpace)
@@ -563,7 +566,7 @@ def parallel_loss(
     if not model.config.parallel_drafting:
         raise ValueError("parallel_loss needs a head with a mask_token_id (head.kind=peagle)")
     anchors = anchors or [None] * num_depths
-    weights = depth_weights(gamma, num_depths) if dpace is None else [1.0] * num_depths
+    weights = depth_weights(gamma, num_depths)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
     outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
     return depth_losses(model, objective, outs, batch, teacher, weights, denominators, anchors, dpace)
@@ -650,8 +653,8 @@ def block_loss(
     """total = sum_k weights[k] * loss_k over the block's K = block_size - 1 mask slots, loss_k the mean of
     the objective over slot k's predictions (`slot_predictions`; `blocks` None: `sample_blocks` of full
     blocks, 512 anchors); the batch and the metrics as `ttt_loss`'s, per slot (`chain_*_k`: the slots before
-    k all right, as vLLM accepts). With `dpace` = a, each prediction also weighs its block's D-PACE weight
-    (`dpace_weights`; `loss_weights` then gives every slot 1): a slot whose target token is outside the
+    k all right, as vLLM accepts). With `dpace` = a, each prediction weighs its block's D-PACE weight
+    instead of `weights` (`chain_weights`): a slot whose target token is outside the
     draft vocabulary counts as one the draft misses (c = 0)."""
     num_slots = model.config.block_size - 1
     if len(weights) != num_slots:

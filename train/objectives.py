@@ -15,10 +15,11 @@ rejection sampling against p (docs/design.md#objectives). The divergences, per t
 
 `train.loss` names one, or a weighted sum such as "0.1*kl+0.9*tv" (`parse_objective`).
 
-D-PACE (arXiv 2605.18810, `dpace_weights`) replaces a draft chain's fixed position weights (a DFlash block's
-exp(-(k-1)/decay), gamma^k over TTT steps and P-EAGLE depths) by weights that follow the draft's own chance
-to get there (train/losses.py `chain_weights` lays every chain out per anchor): c_j = exp(-CE_j) the draft's probability of the target's
-argmax at slot j (no gradient), c~_j = (1 - a) c_j + a, P_j = prod_{i<=j} c~_i, w_j = sum_{m>=j} P_m.
+D-PACE (arXiv 2605.18810, `dpace_weights`) replaces a draft chain's fixed position weights (a DFlash
+block's exp(-(k-1)/decay), gamma^k over TTT steps and P-EAGLE depths) by weights that follow the draft's
+own chance to get there (train/losses.py `chain_weights` lays every chain out per anchor): c_j = exp(-CE_j)
+the draft's probability of the target's argmax at slot j (no gradient), c~_j = (1 - a) c_j + a,
+P_j = prod_{i<=j} c~_i, w_j = sum_{m>=j} P_m.
 
     objective = parse_objective("lk", eta=3.0)
     loss_C = token_losses(objective, p_CVd, log_probs(logits_CVd))     # [C]
