@@ -419,6 +419,9 @@ class WatchConfig:
     temperature: float = checked(0.0, NON_NEGATIVE)  # the traffic's sampling temperature, as eval measured
     workload: str | None = None  # judge against this workload's measurement only (None: every workload's)
     interval_s: float = checked(60.0, POSITIVE)  # one window per interval
+    # scrapes per window: the spread of its sub-windows' acceptance is the dispersion its bounds are
+    # widened by (drafts of one request are alike; eval/health.py dispersion); 1: drafts independent
+    subwindows: int = checked(10, POSITIVE)
     windows: int = checked(0, NON_NEGATIVE)  # stop after this many windows (0: until interrupted)
     once: bool = False  # one window, then exit 0 healthy / 1 retrain / 2 turn it off / 3 nothing to judge
     z: float = checked(3.0, POSITIVE)  # confidence bounds: z standard errors

@@ -6,7 +6,9 @@ eval measured for the head (`expected_from_results`: its results.json, per k, te
 concurrency); `judge` gives each window a `Verdict`, with statistics rather than fixed thresholds:
 
 - the window's mean acceptance length L has a standard error from its own counts (a draft's accepted
-  tokens are a prefix: `AcceptanceCounts.mean_acceptance_bounds`), so does eval's measurement of it;
+  tokens are a prefix: `AcceptanceCounts.mean_acceptance_bounds`), so does eval's measurement of it; both
+  widened by the window's dispersion (drafts of one request are alike: `dispersion`, from the scrapes
+  taken within the window);
 - `degraded` when the window's upper bound L + z se falls below the expected band (the lowest lower bound
   eval measured on the workloads judged against); back to `healthy` when its lower bound rises into it;
 - `net-negative` when the upper bound falls below break-even: the L at which the head's measured round cost
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,35 +149,64 @@ class Window:
     itl: Histogram
     concurrency: float  # requests in flight on average (Little's law over the finished requests' latency)
     restarted: bool = False
+    dispersion: float = 1.0  # the acceptance's variance over the independent drafts' (`dispersion`)
 
     @property
     def seconds(self) -> float:
         return self.end_s - self.start_s
 
 
-def window(earlier: Snapshot, later: Snapshot) -> Window:
-    """The difference of two snapshots; `restarted` (and the later snapshot's own totals) when a counter
-    went down, as it does when the server restarts."""
-    went_down = (
+def went_down(earlier: Snapshot, later: Snapshot) -> bool:
+    return (
         later.acceptance.num_drafts < earlier.acceptance.num_drafts
         or later.generated_tokens < earlier.generated_tokens
         or later.requests < earlier.requests
     )
+
+
+def window(earlier: Snapshot, later: Snapshot, between: Sequence[Snapshot] = ()) -> Window:
+    """The difference of two snapshots; `restarted` (and the later snapshot's own totals) when a counter
+    went down, as it does when the server restarts. With the scrapes `between` them, the acceptance's
+    dispersion over those sub-windows (`dispersion`; 1 without them)."""
+    chain = [earlier, *between, later]
+    restarted = any(went_down(a, b) for a, b in zip(chain, chain[1:]))
     base = Snapshot(earlier.time_s, AcceptanceCounts(), later.speculating, 0.0, 0.0, Histogram(), Histogram())
-    start = base if went_down else earlier
+    start = base if restarted else earlier
     seconds = later.time_s - earlier.time_s
     e2e = later.e2e - start.e2e
+    acceptance = later.acceptance - start.acceptance
+    parts = [] if restarted else [b.acceptance - a.acceptance for a, b in zip(chain, chain[1:])]
     return Window(
         earlier.time_s,
         later.time_s,
-        later.acceptance - start.acceptance,
+        acceptance,
         later.speculating,
         later.generated_tokens - start.generated_tokens,
         later.requests - start.requests,
         later.itl - start.itl,
         e2e.total / seconds if seconds > 0 else float("nan"),
-        went_down,
+        restarted,
+        dispersion(parts, acceptance),
     )
+
+
+def dispersion(parts: Sequence[AcceptanceCounts], whole: AcceptanceCounts) -> float:
+    """How much more a window's mean acceptance length varies than if its drafts were independent.
+
+    They are not: the drafts of one request share its prompt and answer, and a request of prose accepts
+    less than one of code, so a window of a few requests varies between windows several times more than
+    its drafts' binomial variance says (the watch's trial on real traffic: docs/watch.md). Estimated by
+    batch means, from the window alone: its sub-windows' lengths L_j (n_j drafts each, between the scrapes
+    the watch takes `watch.subwindows` times per window) spread around the window's L as
+    sum_j n_j (L_j - L)^2 / Var(A) ~ phi chi2(J - 1), Pearson's estimate of phi over the J sub-windows with
+    drafts; at least 1, and 1 with fewer than two such sub-windows."""
+    parts = [part for part in parts if part.num_drafts]
+    variance = whole.draft_variance
+    if len(parts) < 2 or not whole.num_drafts or variance <= 0:
+        return 1.0
+    length = whole.mean_acceptance_length
+    pearson = sum(part.num_drafts * (part.mean_acceptance_length - length) ** 2 for part in parts)
+    return max(1.0, pearson / variance / (len(parts) - 1))
 
 
 @dataclass(frozen=True)
@@ -197,9 +229,10 @@ class Expected:
     runs: tuple[Measured, ...]
     source: str  # the file it was read from, said in every report
 
-    def band_low(self, z: float) -> float:
-        """The bottom of the expected band: the lowest lower bound of L over the workloads measured."""
-        return min(run.acceptance.mean_acceptance_bounds(z)[0] for run in self.runs)
+    def band_low(self, z: float, dispersion: float = 1.0) -> float:
+        """The bottom of the expected band: the lowest lower bound of L over the workloads measured, its
+        drafts as dispersed as the window's (eval's requests are requests like the window's)."""
+        return min(run.acceptance.mean_acceptance_bounds(z, dispersion)[0] for run in self.runs)
 
     def nearest(self, concurrency: float) -> list[Measured]:
         """The runs at the measured concurrency nearest (in ratio) the observed one."""
@@ -319,6 +352,7 @@ def judge(
         "drafts": counts.num_drafts,
         "mean_acceptance_length": counts.mean_acceptance_length,
         "per_position": counts.per_position,
+        "dispersion": current.dispersion,
         "itl_p50_ms": current.itl.quantile(0.5) * 1e3,
         "itl_p99_ms": current.itl.quantile(0.99) * 1e3,
     }
@@ -334,8 +368,8 @@ def judge(
             f"{current.generated_tokens:.0f} tokens generated and no drafts: the server is not drafting",
             numbers,
         )
-    low, high = counts.mean_acceptance_bounds(z)
-    band = expected.band_low(z)
+    low, high = counts.mean_acceptance_bounds(z, current.dispersion)
+    band = expected.band_low(z, current.dispersion)
     break_even = expected.break_even(current.concurrency)
     numbers.update(acceptance_low=low, acceptance_high=high, expected_low=band, break_even=break_even)
     if break_even is not None and high < break_even:

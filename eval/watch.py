@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 import signal
 import sys
 import time
@@ -148,22 +149,36 @@ def load_expected(cfg: DictConfig, head_dir: Path, k: int) -> Expected:
 
 
 def actions(verdict: Verdict, cfg: DictConfig, head_dir: Path, overrides: list[str]) -> list[str]:
-    """What to do, as commands: retrain on the served traffic warm-started from this head, or the config
-    to deploy now."""
-    same = " ".join(o for o in overrides if not o.startswith(("watch.", "run_dir=")))
-    if verdict.name == "degraded" or verdict.name == "latency":
-        new_run = f"{cfg.run_dir.rstrip('/')}_retrained"
-        traffic = cfg.watch.traffic or "<your request log, OpenAI-style JSONL>"
-        warm = Path(cfg.run_dir) / "draft_head"
-        return [
-            f"python data_prep/main.py {same} run_dir={new_run} data.source={traffic} data.format=openai",
-            f"python train/main.py {same} run_dir={new_run} train.init_from={warm}",
-            f"python export/main.py {same} run_dir={new_run} export.verify=true",
-            f"python eval/main.py {same} run_dir={new_run}",
-        ]
+    """What to do, as commands. `degraded`, `latency`: retrain on the served traffic, warm-started from this
+    head, for the model the server serves. `net-negative`: the config to deploy now, then the same retrain
+    where the window is also below what the head was measured to do (a head that stopped paying)."""
+    todo = []
     if verdict.name in ("net-negative", "no-speculation"):
-        return [deploy_now(cfg)]
-    return []
+        todo.append(deploy_now(cfg))
+    n = verdict.numbers
+    below_band = "acceptance_high" in n and n["acceptance_high"] < n["expected_low"]
+    if verdict.name in ("degraded", "latency") or (verdict.name == "net-negative" and below_band):
+        todo += retrain_commands(cfg, overrides)
+    return todo
+
+
+def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """data_prep on the served traffic (watch.traffic), train warm-started from this run's head, export
+    with verification, eval: the run's own overrides, and the served model where it is not the head's
+    target (watch.target, after a base-model upgrade)."""
+    same = [o for o in overrides if not o.startswith(("watch.", "run_dir="))]
+    if cfg.watch.target and not any(o.startswith(("target=", "target.path=")) for o in same):
+        same.append(f"target.path={cfg.watch.target}")
+    same = " ".join(shlex.quote(o) for o in same)  # eval.heads=[{...,...}] would be brace-expanded
+    new_run = f"{cfg.run_dir.rstrip('/')}_retrained"
+    traffic = cfg.watch.traffic or "<your request log, OpenAI-style JSONL>"
+    warm = Path(cfg.run_dir) / "draft_head"
+    return [
+        f"python data_prep/main.py {same} run_dir={new_run} data.source={traffic} data.format=openai",
+        f"python train/main.py {same} run_dir={new_run} train.init_from={warm}",
+        f"python export/main.py {same} run_dir={new_run} export.verify=true",
+        f"python eval/main.py {same} run_dir={new_run}",
+    ]
 
 
 def deploy_now(cfg: DictConfig) -> str:
@@ -191,6 +206,7 @@ def status_line(verdict: Verdict) -> str:
             + (f", break-even {n['break_even']:.3f}" if n.get("break_even") else "")
         )
         parts.append("positions " + "/".join(f"{p:.2f}" for p in n["per_position"]))
+        parts.append(f"dispersion {n['dispersion']:.1f}")
     parts.append(
         f"{n['requests']:.0f} req, {n['generated_tokens']:.0f} tok, concurrency {n['concurrency']:.1f}"
     )
@@ -311,9 +327,13 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
     previous, before, status, windows = "healthy", first, 0, 0
     try:
         while True:
-            time.sleep(settings.interval_s)
-            after = scrape(settings.url)
-            verdict = judge(window(before, after), expected, previous, settings.z, settings.latency_margin)
+            scrapes = []  # within the window: its sub-windows give the acceptance's dispersion
+            for _ in range(settings.subwindows):
+                time.sleep(settings.interval_s / settings.subwindows)
+                scrapes.append(scrape(settings.url))
+            after = scrapes[-1]
+            current = window(before, after, scrapes[:-1])
+            verdict = judge(current, expected, previous, settings.z, settings.latency_margin)
             todo = actions(verdict, cfg, head_dir, list(overrides)) if verdict.name != previous else []
             record = {
                 "time": after.time_s,

@@ -83,18 +83,23 @@ class AcceptanceCounts:
         counts = [self.num_drafts, *self.accepted_per_position]
         return [b / a if a else float("nan") for a, b in zip(counts, counts[1:])]
 
-    def mean_acceptance_bounds(self, z: float) -> tuple[float, float]:
-        """(low, high): the mean acceptance length +- z standard errors over these drafts (nan without any).
-
-        A draft's accepted count is A = sum_i X_i with X_i = 1[position i accepted]; vLLM accepts a prefix,
-        so X_j = 1 implies X_i = 1 for i < j, E[X_i X_j] = p_j and Var(A) = sum_i p_i (1 - p_i)
+    @property
+    def draft_variance(self) -> float:
+        """Var(A) of one draft's accepted count A = sum_i X_i, X_i = 1[position i accepted]: vLLM accepts a
+        prefix, so X_j = 1 implies X_i = 1 for i < j, E[X_i X_j] = p_j and Var(A) = sum_i p_i (1 - p_i)
         + 2 sum_{i<j} p_j (1 - p_i), from the per-position counts alone (p_i `per_position`)."""
-        if not self.num_drafts:
-            return float("nan"), float("nan")
         p = self.per_position
         variance = sum(pi * (1 - pi) for pi in p)
         variance += 2 * sum(p[j] * (1 - p[i]) for j in range(len(p)) for i in range(j))
-        half = z * math.sqrt(max(variance, 0.0) / self.num_drafts)
+        return max(variance, 0.0)
+
+    def mean_acceptance_bounds(self, z: float, dispersion: float = 1.0) -> tuple[float, float]:
+        """(low, high): the mean acceptance length +- z standard errors over these drafts (nan without any),
+        the drafts independent (`dispersion` 1) or alike within a request: their variance `dispersion`
+        times the independent drafts' (eval/health.py `dispersion`)."""
+        if not self.num_drafts:
+            return float("nan"), float("nan")
+        half = z * math.sqrt(dispersion * self.draft_variance / self.num_drafts)
         return self.mean_acceptance_length - half, self.mean_acceptance_length + half
 
     def summary(self) -> dict:

@@ -84,7 +84,8 @@ def test_one_window_exit_codes_and_what_it_writes(tmp_path, head, results):  # n
         assert watch(cfg) == 0
     out = head.parent / "watch"
     record = json.loads((out / "timeline.jsonl").read_text().splitlines()[-1])
-    assert record["verdict"] == "healthy" and record["drafts"] == 800 and record["actions"] == []
+    assert record["verdict"] == "healthy" and record["actions"] == []
+    assert record["drafts"] == 800 * 10 and record["dispersion"] < 3  # 10 scrapes of 800 rounds each
     rules = yaml.safe_load((out / "alerts.yml").read_text())["groups"][0]["rules"]
     assert [r["alert"] for r in rules] == ["SpeculativeHeadDegraded", "SpeculativeHeadNetNegative"]
     assert f'model_name="{MODEL}"' in rules[0]["expr"]
@@ -105,11 +106,17 @@ def test_one_window_exit_codes_and_what_it_writes(tmp_path, head, results):  # n
     assert "data.source=/logs/requests.jsonl" in record["actions"][0]
     assert f"train.init_from={head.parent / 'draft_head'}" in record["actions"][1]
 
+    # Below break-even and below the band (a base upgrade, the server judged by the model it serves): turn
+    # it off now, then retrain for the served model.
     with Stub(conditional=[0.02, 0.02]) as stub:
-        cfg = config(
-            tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle", "watch.once=true"
-        )
-        assert watch(cfg) == 2
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle", "watch.once=true",
+                     f"watch.target={MODEL}")  # fmt: skip
+        assert watch(cfg, ["experiment=smoke", f"watch.target={MODEL}"]) == 2
+    record = json.loads((out / "timeline.jsonl").read_text().splitlines()[-1])
+    assert record["verdict"] == "net-negative" and len(record["actions"]) == 5
+    assert record["actions"][0].startswith("vllm serve ")
+    assert f"experiment=smoke target.path={MODEL} run_dir=" in record["actions"][1]
+    assert all(f"target.path={MODEL}" in command for command in record["actions"][1:])
 
 
 def test_several_windows_until_the_count(tmp_path, head, results):  # noqa: F811
@@ -152,3 +159,66 @@ def test_bad_input_is_refused_naming_what_is_wrong(tmp_path, head, case, message
         extra = [f"watch.head={tmp_path / 'nowhere'}"] if case == "no export" else []
         with pytest.raises(WatchError, match=message):
             watch(config(tmp_path, head, url, "watch.once=true", *extra))
+
+
+class CompletionsStub:
+    """/v1/completions streaming `Answer <n>.` to request n, HTTP 500 to request 1."""
+
+    def __enter__(self):
+        stub, self.count = self, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                n, stub.count = stub.count, stub.count + 1
+                if n == 1:
+                    self.send_error(500)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for piece in ["Answer", f" {n}", "."]:
+                    self.wfile.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        return self
+
+    def __exit__(self, *exc):
+        self.http.shutdown()
+
+
+def test_traffic_logs_each_served_answer_as_a_record_data_prep_reads(tmp_path):
+    """eval/traffic.py: the questions sent in order (starting over after the last), each answered one
+    logged with its served answer; a failed request counted, not logged; the log is what the watch's retrain
+    commands hand data_prep (data.format=openai), every record a usable conversation."""
+    from artifacts.config import DataConfig
+    from artifacts.smoke import build_tokenizer
+    from data_prep.sources import load_conversations
+    from eval.traffic import Traffic
+
+    tokenizer = build_tokenizer()
+    conversations = [
+        {"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(3)
+    ]
+    log = tmp_path / "requests.jsonl"
+    with CompletionsStub() as stub:
+        with Traffic(stub.url, "m", tokenizer, conversations, log, start=1) as traffic:
+            while traffic.requests + traffic.failed < 5:
+                time.sleep(0.01)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert traffic.failed == 1 and traffic.requests == len(records) >= 4
+    assert [r["id"] for r in records[:4]] == ["q1", "q0", "q1", "q2"]  # request 1 (q2) failed
+    assert [r["messages"][1] for r in records[:2]] == [
+        {"role": "assistant", "content": "Answer 0."},
+        {"role": "assistant", "content": "Answer 2."},
+    ]
+    assert records[0]["messages"][0] == {"role": "user", "content": "Question 1?"}
+    loaded = load_conversations(DataConfig(source=str(log), format="openai", id_field="id"))
+    assert len(loaded.conversations) == len(records) and not loaded.skipped
+    assert traffic.position == traffic.requests + traffic.failed + 1

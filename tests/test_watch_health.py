@@ -6,6 +6,7 @@ restarts or does not draft."""
 import json
 import math
 import random
+import statistics
 
 import pytest
 
@@ -37,11 +38,15 @@ class Server:
         self.e2e_sum = 0.0
         self.time = 0.0
 
-    def serve(self, seconds, rounds, conditional=MEASURED, itl_s=0.028, concurrency=1.0):
-        for _ in range(rounds):
+    def serve(self, seconds, rounds, conditional=MEASURED, itl_s=0.028, concurrency=1.0, spread=0.0):
+        """`rounds` verify rounds; with `spread`, requests unlike each other: every 100 rounds (a request)
+        the first position's rate is drawn anew, uniform within +-spread of its mean."""
+        for n in range(rounds):
+            if n % 100 == 0:
+                first = conditional[0] + self.rng.uniform(-spread, spread) if spread else conditional[0]
             accepted = 0
             if self.speculating:
-                for rate in conditional:
+                for rate in (first, *conditional[1:]):
                     if self.rng.random() >= rate:
                         break
                     accepted += 1
@@ -153,6 +158,38 @@ def test_a_head_serving_as_measured_is_healthy_on_every_window(results):
     assert 25 < numbers["itl_p50_ms"] < 50 and numbers["break_even"] == pytest.approx(
         expected.runs[0].acceptance.mean_acceptance_length / 1.2, rel=0.05
     )
+
+
+def test_requests_unlike_each_other_widen_the_bounds_not_the_alarms(results):
+    """Each request draws its own acceptance (prose and code in one stream, as on the trial's real traffic):
+    windows of 8 requests vary several times more than their drafts' binomial variance says. Judged as if
+    the drafts were independent, a head serving as measured raises false alarms; with the dispersion from
+    the window's 10 sub-windows it is healthy on every window, and a collapse is still caught at once."""
+    expected = expected_from_results(results, "peagle", 2)
+
+    def verdicts(subwindows, phases):
+        server, names, previous = Server(seed=11), [], "healthy"
+        before = server.snapshot()
+        for count, kwargs in phases:
+            for _ in range(count):
+                scrapes = [
+                    server.serve(60.0 / subwindows, 800 // subwindows, **kwargs).snapshot()
+                    for _ in range(subwindows)
+                ]
+                verdict = judge(window(before, scrapes[-1], scrapes[:-1]), expected, previous)
+                names.append(verdict)
+                previous, before = verdict.name, scrapes[-1]
+        return names
+
+    varied = {"spread": 0.32}
+    independent = verdicts(1, [(100, varied)])
+    assert all(v.numbers["dispersion"] == 1.0 for v in independent)
+    assert sum(v.name != "healthy" for v in independent) >= 2  # false alarms
+    dispersed = verdicts(10, [(100, varied), (2, {"conditional": [0.05, 0.05]})])
+    assert [v.name for v in dispersed[:100]] == ["healthy"] * 100
+    assert 4 < statistics.median(v.numbers["dispersion"] for v in dispersed[:100]) < 30
+    assert [v.name for v in dispersed[100:]] == ["net-negative"] * 2  # a uniform collapse: dispersion ~1
+    assert all(v.numbers["dispersion"] < 3 for v in dispersed[100:])
 
 
 def test_a_sudden_drop_is_degraded_at_once_and_recovers(results):
