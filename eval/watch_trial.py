@@ -224,7 +224,7 @@ COLORS = {
     "net-negative": "tab:red",
     "latency": "tab:purple",
 }
-TITLES = {"before": "head on its target", "upgrade": "same head, upgraded target", "after": "retrained head"}
+TITLES = {"before": "head on its target", "upgrade": "upgraded", "after": "retrained head, upgraded target"}
 
 
 def plot(out: Path) -> Path | None:
@@ -238,30 +238,30 @@ def plot(out: Path) -> Path | None:
     phases = [(p, out / p / "timeline.jsonl") for p in TITLES if (out / p / "timeline.jsonl").exists()]
     if not phases:
         return None
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.set(xlabel="window (20 s each)", ylabel="mean acceptance length", ylim=(0.9, 1.95))
     x0 = 0
     for phase, path in phases:
         records = [json.loads(line) for line in path.open()]
         records = [r for r in records if "acceptance_low" in r]
-        xs = [x0 + i for i in range(len(records))]
-        for x, r in zip(xs, records):
+        for x, r in enumerate(records, x0):
             color = COLORS.get(r["verdict"], "tab:gray")
             low, high, length = r["acceptance_low"], r["acceptance_high"], r["mean_acceptance_length"]
             ax.errorbar(x, length, yerr=[[length - low], [high - length]], fmt="o", color=color, ms=4)
-        span = (x0 - 0.5, x0 + len(records) - 0.5)
-        ax.plot(span, [min(r["expected_low"] for r in records)] * 2, "--", color="tab:green", lw=1)
+            ax.plot(x, r["expected_low"], "_", color="tab:green", ms=8)  # the band, this window's dispersion
         if records and records[0].get("break_even"):
-            ax.plot(span, [records[0]["break_even"]] * 2, ":", color="tab:red", lw=1)
-        ax.text(x0, ax.get_ylim()[1] if x0 else 1.75, TITLES[phase], fontsize=8, va="top")
+            ax.plot((x0 - 0.5, x0 + len(records) - 0.5), [records[0]["break_even"]] * 2, ":", color="tab:red")
+        ax.text(x0, 1.9, TITLES[phase], fontsize=8, va="top")
         x0 += len(records) + 2
         ax.axvline(x0 - 1.5, color="gray", lw=0.5)
-    ax.set(xlabel="window", ylabel="mean acceptance length", ylim=(0.9, 1.8))
     handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=v) for v, c in COLORS.items()]
     handles += [
-        plt.Line2D([], [], ls="--", color="tab:green", label="bottom of the band (lowest over windows)"),
+        plt.Line2D([], [], marker="_", ls="", color="tab:green", label="bottom of the band"),
         plt.Line2D([], [], ls=":", color="tab:red", label="break-even"),
     ]
-    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=3)
+    ax.legend(
+        handles=handles, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=6, frameon=False
+    )
     fig.tight_layout()
     path = out / "timeline.png"
     fig.savefig(path, dpi=120)

@@ -391,13 +391,10 @@ def test_watch_holds_a_real_server_serving_the_head_against_evals_record(eval_ru
     """The smoke head served by vLLM under eval's chat traffic: the watch reads the real /metrics, finds
     the server's k and concurrency, and judges its windows against the results eval wrote for the same
     head - which measured it slower than no speculation on the tiny smoke target."""
-    import asyncio
-    import threading
-
-    from eval.client import run_load
+    from artifacts.prompts import read_conversations
     from eval.grid import server_configs
+    from eval.traffic import Traffic
     from eval.watch import watch
-    from eval.workloads import workload_prompts
     from target.model import load_config, load_tokenizer, target_dir
 
     chat = "eval.workloads=[{name:chat,source:chat,num_prompts:6,max_tokens:32}]"
@@ -407,35 +404,36 @@ def test_watch_holds_a_real_server_serving_the_head_against_evals_record(eval_ru
     cfg = smoke_config(eval_run, *EVAL, chat, experiment="smoke_regen")
     target = target_dir(cfg.target)
     head = next(c for c in server_configs(cfg, eval_run, load_config(cfg.target)) if c["head"])
-    prompts = workload_prompts("chat", load_tokenizer(cfg.target), eval_run / "cache", 6)
-    stop = threading.Event()
+    conversations = read_conversations(eval_run / "cache" / "eval_conversations.jsonl")[:6]
+    log = eval_run / "watch" / "requests.jsonl"
     with VllmServer(
         target, eval_run / "watch_server.log", dict(cfg.eval.server_args), head["speculative_config"]
     ) as server:
-
-        def traffic():
-            while not stop.is_set():
-                asyncio.run(run_load(server.url, str(target), prompts, 1, 32))
-
-        thread = threading.Thread(target=traffic, daemon=True)
-        thread.start()
-        try:
+        with Traffic(server.url, str(target), load_tokenizer(cfg.target), conversations, log, max_tokens=32):
             watched = smoke_config(
                 eval_run, f"watch.url={server.url}", "watch.interval_s=10", "watch.windows=3",
                 "watch.workload=chat", "watch.z=4", experiment="smoke_regen",
             )  # fmt: skip
             status = watch(watched)
-        finally:
-            stop.set()
-            thread.join(timeout=120)
     timeline = [json.loads(line) for line in (eval_run / "watch" / "timeline.jsonl").open()]
     assert len(timeline) == 3 and all(r["drafts"] > 0 and r["requests"] > 0 for r in timeline)
-    # It accepts what eval measured (inside the band), and eval measured the smoke head slower than the
-    # tiny target alone (~0.7x): below break-even, so the watch says to turn it off, as eval's verdict did.
-    assert all(r["acceptance_high"] >= r["expected_low"] and r["break_even"] > 1.5 for r in timeline), (
-        timeline
-    )
-    assert [r["verdict"] for r in timeline] == ["net-negative"] * 3 and status == 2, timeline
+    # It accepts what eval measured (inside the band), and says what eval's speedup says: the smoke head on
+    # its tiny target measures anywhere from 0.7x to 1.4x between runs (one CPU step is ~10 ms there), so the
+    # verdict is held to this run's eval - net-negative below 1x, healthy above - with break-even derived
+    # from it, L_eval / speedup_eval.
+    chat = next(
+        r for r in json.loads(results.read_text())["runs"]
+        if r["head"] == "head" and r["workload"] == "chat" and r["concurrency"] == 1
+    )  # fmt: skip
+    break_even = chat["acceptance"]["mean_acceptance_length"] / chat["speedup"]
+    assert all(r["acceptance_high"] >= r["expected_low"] for r in timeline), timeline
+    assert all(r["break_even"] == pytest.approx(break_even) for r in timeline), timeline
+    if chat["speedup"] < 0.9:
+        assert [r["verdict"] for r in timeline] == ["net-negative"] * 3 and status == 2, timeline
+    elif chat["speedup"] > 1.1:
+        assert [r["verdict"] for r in timeline] == ["healthy"] * 3 and status == 0, timeline
     assert all(
-        len(r["per_position"]) == 3 and 0.8 < r["concurrency"] < 1.2 for r in timeline
+        len(r["per_position"]) == 3 and 0.8 < r["concurrency"] < 1.2 and r["dispersion"] >= 1
+        for r in timeline
     )  # k, c from vLLM
+    assert len(read_conversations(log)) >= 3  # the request log, with the answers served
