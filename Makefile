@@ -37,6 +37,10 @@ $(STAMP): pyproject.toml Makefile
 	# speculators 0.9 (vLLM's own trainer): the reference reader of the speculators format our exports are
 	# tested against (SpeculatorModel.from_pretrained). --no-deps for the same reason.
 	$(PY) -m pip install -q --no-deps speculators==0.9.0
+	# SGLang 0.5.23's own loader, for the test that loads our SGLang exports with it (export/sglang_check.py):
+	# into a directory of its own, imported only by a subprocess (its pins would replace our torch and vLLM,
+	# and importing it patches transformers); --no-deps, with orjson, the one dependency its loader needs.
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/sglang sglang==0.5.23 orjson==3.13.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -333,6 +333,9 @@ class ExportConfig:
     allow_unverified_head: bool = False  # export a head whose draft_config.json records no checksums
     # EAGLE-3: speculators | plain; an EAGLE-1 head is always a plain Llama
     format: str = checked("speculators", one_of("speculators", "plain"))
+    # the engines that load the export as it is: vllm | sglang | both (sglang, both: an EAGLE-3 plain export
+    # with SGLang's eagle_config, one directory for both engines: export/to_sglang.py, docs/sglang.md)
+    engine: str = checked("vllm", one_of("vllm", "sglang", "both"))
     dtype: str = checked("bfloat16", DTYPE)  # weight dtype written: bfloat16 | float16 | float32
     # k written into the speculators config and decoded by verify
     num_speculative_tokens: int = checked(3, POSITIVE)
@@ -621,6 +624,45 @@ def trained_ks(head) -> list[int] | None:
     return None
 
 
+def sglang_refusal(kind: str, fmt: str, norm_before_residual: bool) -> tuple[str, object, str] | None:
+    """(setting, value, what SGLang needs) for the first setting SGLang cannot serve, else None (the facts:
+    export/to_sglang.py; checked when the config is composed and by export_head)."""
+    if kind == "peagle":
+        return (
+            "head.kind",
+            kind,
+            "eagle3 for export.engine=sglang|both (SGLang 0.5.23 has no parallel drafting)",
+        )
+    if kind == "dflash":
+        return (
+            "head.kind",
+            kind,
+            "eagle3 for export.engine=sglang|both (SGLang's DFlash drafts with the target's lm_head over the "
+            "whole vocabulary and reads no d2t; this pipeline's DFlash heads train their own lm_head)",
+        )
+    if kind == "eagle1":
+        return (
+            "head.kind",
+            kind,
+            "eagle3 for export.engine=sglang|both (SGLang's EAGLE-1 class, LlamaForCausalLMEagle, is a name "
+            "vLLM does not know: an export directory of its own, not written yet)",
+        )
+    if fmt != "plain":
+        return (
+            "export.format",
+            fmt,
+            "plain for export.engine=sglang|both (SGLang reads no speculators config; the plain format with "
+            "its eagle_config serves vLLM and SGLang from one directory)",
+        )
+    if norm_before_residual:
+        return (
+            "head.norm_before_residual",
+            True,
+            "false for export.engine=sglang|both (SGLang 0.5.23 always carries the fc output as the residual)",
+        )
+    return None
+
+
 def check_combinations(cfg: DictConfig) -> None:
     """Settings that are each valid but wrong together, refused before any stage starts work."""
     ks = trained_ks(cfg.head)
@@ -647,6 +689,10 @@ def check_combinations(cfg: DictConfig) -> None:
         refuse("head.min_block_size", cfg.head.min_block_size, f"<= head.block_size={cfg.head.block_size}")
     if ks is not None and cfg.export.num_speculative_tokens not in ks:
         refuse("export.num_speculative_tokens", cfg.export.num_speculative_tokens, limit)
+    if cfg.export.engine != "vllm":
+        refusal = sglang_refusal(cfg.head.kind, cfg.export.format, cfg.head.norm_before_residual)
+        if refusal is not None:
+            refuse(*refusal)
     if cfg.head.kind == "eagle1":
         eagle3_only = [f"head.{flag}" for flag in EAGLE3_ONLY if cfg.head[flag]]
         eagle3_only += ["head.lm_head_init"] if cfg.head.lm_head_init != "random" else []

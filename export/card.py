@@ -13,6 +13,7 @@ from pathlib import Path
 
 from artifacts import atomic
 from artifacts.config import dflash_trained_ks
+from export.to_sglang import sglang_serve_command
 from export.to_vllm import speculative_config
 from heads.head_file import read_record
 from heads.kinds import head_kind
@@ -163,6 +164,7 @@ def model_card(
         "```bash",
         printable_serve_command(served_settings(target_path, speculative, serve_args)),
         "```",
+        *sglang_section(export_config, target_path, export_dir, num_speculative_tokens),
         "",
         "## Head",
         "",
@@ -245,6 +247,42 @@ def model_card(
     if eval_results:
         lines += ["", *eval_section(eval_results)]
     return "\n".join(lines) + "\n"
+
+
+def sglang_section(export_config: dict, target: str, export_dir: str, k: int) -> list[str]:
+    """SGLang's serve command, for an export SGLang loads (export.engine=sglang|both), with the EAGLE-2 tree
+    settings the reference decoder estimated best (sglang_trees.json), else the chain of k drafts."""
+    if "eagle_config" not in export_config:
+        return []
+    trees_file = Path(export_dir) / "sglang_trees.json"
+    if not trees_file.exists():
+        return [
+            "",
+            "SGLang serves the same directory (`export.engine=both`, checked with SGLang's own loader: "
+            "docs/sglang.md), here as the chain of k drafts verified above:",
+            "",
+            "```bash",
+            sglang_serve_command(target, export_dir, k, 1, k + 1),
+            "```",
+        ]
+    trees = json.loads(trees_file.read_text())
+    best, chain, default = trees["recommended"], trees["chain"], trees["sglang_default"]
+
+    def setting(r):
+        return f"({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}): {r['mean_acceptance_length']:.3f}"
+
+    return [
+        "",
+        "SGLang serves the same directory (`export.engine=both`, checked with SGLang's own loader: "
+        "docs/sglang.md), with the EAGLE-2 tree the reference decoder estimated best within "
+        f"{trees['budget']} verified tokens on {trees['prompts']} held-out prompts (tokens per round, "
+        f"(steps, topk, draft tokens)): {setting(best)}; SGLang's default {setting(default)}; the chain of "
+        f"k={k} {setting(chain)} (estimates: a GPU run confirms them, docs/sglang.md#trees):",
+        "",
+        "```bash",
+        sglang_serve_command(target, export_dir, best["num_steps"], best["topk"], best["num_draft_tokens"]),
+        "```",
+    ]
 
 
 def _pair(values: dict | None) -> str:

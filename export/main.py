@@ -25,6 +25,8 @@ from artifacts.config import check_config, refuse, register_configs
 from artifacts.prompts import held_out_prompts, stop_token_ids
 from artifacts.run_lock import holds_run_dir
 from export.card import write_model_card
+from export.sglang_trees import run_trees
+from export.to_sglang import for_sglang
 from export.to_vllm import export_format, export_head
 from export.verify import VerificationError, verify_export
 from heads.head_file import HeadRecord, read_head
@@ -77,6 +79,7 @@ def run(cfg: DictConfig) -> dict:
         str(cfg.target.path),
         cfg.export.num_speculative_tokens,
         head,
+        engine=cfg.export.engine,
     )
     fmt = export_format(record.kind, cfg.export.format)
     log.info("exported %s (%s, %s format, %s)", out_dir, record.kind, fmt, cfg.export.dtype)
@@ -105,6 +108,9 @@ def run(cfg: DictConfig) -> dict:
             verification, failure = error.report, error
         if verification is not None:
             atomic.write_json(out_dir / "verification.json", verification)
+
+    if for_sglang(cfg.export.engine):  # SGLang's tree settings, estimated by the reference decoder
+        run_trees(cfg, head_dir, out_dir / "sglang_trees.json")
 
     eval_file = run_dir / "eval" / "results.json"
     eval_results = json.loads(eval_file.read_text()) if eval_file.exists() else None

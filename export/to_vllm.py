@@ -52,11 +52,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from artifacts import atomic
+from artifacts.config import sglang_refusal
 from artifacts.vocab import load_vocab_map
+from export.to_sglang import check_sglang_layers, for_sglang, sglang_config_fields, sglang_weights
 from heads.eagle3 import NORM_FLAGS
 from heads.head_file import HeadRecord, read_head
 from heads.kinds import head_kind, load_weights
-from target.model import DTYPES
+from target.model import DTYPES, layer_output_ids
 
 
 def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
@@ -119,7 +121,7 @@ def dflash_config(head_config: dict, target_config, dtype: str) -> dict:
         "block_size": c["block_size"],
         "min_block_size": c["min_block_size"],  # the shortest block trained (vLLM ignores it)
         "dflash_config": {
-            "target_layer_ids": [i - 1 for i in c["aux_layer_ids"]],
+            "target_layer_ids": layer_output_ids(c["aux_layer_ids"]),
             "mask_token_id": c["mask_token_id"],
             "causal": c["causal"],
             "block_size": c["block_size"],
@@ -257,12 +259,14 @@ def export_head(
     num_speculative_tokens: int = 3,
     head: tuple[HeadRecord, dict] | None = None,
     allow_unverified_head: bool = False,
+    engine: str = "vllm",
 ) -> Path:
     """Write `out_dir` (config.json + model.safetensors) from a `draft_head/` directory, atomically.
 
     EAGLE-3, P-EAGLE and DFlash heads go to `fmt` (speculators or plain); EAGLE-1 heads have one, plain.
     `head`: the directory's (record, weights) as `read_head` returned them, when the caller has read them.
     `allow_unverified_head`: export a head whose record holds no checksums (export.allow_unverified_head).
+    `engine`: vllm, or sglang / both - an EAGLE-3 plain export SGLang loads too (export/to_sglang.py).
     """
     # Checksums, finite and sane weights: a corrupt head is refused here, whoever exports it.
     record, head_weights = head or read_head(head_dir, allow_unverified=allow_unverified_head)
@@ -271,6 +275,12 @@ def export_head(
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     check_head_fits_target(head_dir, c, target_config)
+    if for_sglang(engine):
+        refusal = sglang_refusal(kind, fmt, c.get("norm_before_residual", False))
+        if refusal is not None:
+            setting, value, needed = refusal
+            raise ValueError(f"{setting}={value!r}: {needed}")
+        check_sglang_layers(c["aux_layer_ids"], target_config.num_hidden_layers)
     weights = {k: v.to(DTYPES[dtype]) for k, v in head_weights.items()}
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
     for i in range(1, c.get("num_hidden_layers", 1) if kind != "dflash" else 1):
@@ -283,6 +293,9 @@ def export_head(
         if fmt == "plain":
             plain = dflash_config if kind == "dflash" else eagle3_plain_config
             config = plain(c, target_config, dtype)
+            if for_sglang(engine):
+                config |= sglang_config_fields(c)
+                weights = sglang_weights(weights, c.get("num_hidden_layers", 1))
         else:
             speculators = dflash_speculators_config if kind == "dflash" else eagle3_speculators_config
             config = speculators(c, target_config, dtype, target_path, num_speculative_tokens)

@@ -118,11 +118,13 @@ class DraftState:
     def length(self) -> int:
         return self.cache.length
 
-    def step(self, ids: list[int], hidden_BTH: Tensor, start: int) -> Tensor:
-        """One forward of the head on T positions from `start` after the cached ones: pre-norm out [1, T, H]."""
+    def step(self, ids: list[int], hidden_BTH: Tensor, start: int, cache: KVCache | None = None) -> Tensor:
+        """One forward of the head on T positions from `start` after the cached ones (in `cache`, by default
+        the state's own): pre-norm out [1, T, H]."""
         device = hidden_BTH.device
         positions_BT = torch.arange(start, start + len(ids), device=device)[None]
-        return self.head.draft(torch.tensor([ids], device=device), hidden_BTH, positions_BT, self.cache)
+        ids_BT = torch.tensor([ids], device=device)
+        return self.head.draft(ids_BT, hidden_BTH, positions_BT, self.cache if cache is None else cache)
 
     def extend(self, next_ids: list[int], features: Tensor) -> Tensor:
         """Read the next verified positions (features of t beside the token at t+1); their keys/values

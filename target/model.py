@@ -125,6 +125,14 @@ def default_aux_layer_ids(num_hidden_layers: int, head_kind: str = "eagle3") -> 
     return sorted({round(1 + i * (last - 1) / (n - 1)) + 1 for i in range(n)})
 
 
+def layer_output_ids(aux_layer_ids) -> list[int]:
+    """The same layers in the other convention, 0-based decoder-layer outputs (transformers'
+    `output_hidden_states[i + 1]`): DFlash's `target_layer_ids` and SGLang's
+    `eagle_aux_hidden_state_layer_ids` (its capture hook adds 1 back: sglang/srt/models/llama.py:939).
+    vLLM's aux id i is the residual stream entering layer i, which is layer i - 1's output."""
+    return [int(i) - 1 for i in aux_layer_ids]
+
+
 def resolve_aux_layer_ids(ids, num_hidden_layers: int, head_kind: str = "eagle3") -> list[int]:
     """Validated aux ids: id i is the residual stream entering decoder layer i (id L: before the final norm)."""
     if ids is None:

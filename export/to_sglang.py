@@ -1,0 +1,74 @@
+"""What SGLang 0.5.23 loads as it is, decided here (docs/sglang.md): `export.engine=sglang|both`.
+
+Read in SGLang's own code (installed by `make setup` into .venv/sglang; paths below relative to its
+`sglang/srt/`), and checked by its own loader (export/sglang_check.py, in a subprocess):
+- EAGLE-3: the plain format's config and weights are what `LlamaForCausalLMEagle3` reads
+  (models/llama_eagle3.py: `fc`, `layers.{i}.*` with q/k/v and gate/up packed on load, `norm`, `lm_head`,
+  `d2t` read as target id = draft id + d2t[id] as vLLM does, `t2d` dropped; `draft_vocab_size` must be a key:
+  :306), with two additions that leave vLLM's reading unchanged, so one directory serves both engines:
+  - `eagle_config.eagle_aux_hidden_state_layer_ids`: the target side reads the layer ids from there only
+    (model_executor/model_runner_components/spec_aux_hidden_state.py:185-196; without it SGLang captures its
+    default layers), in SGLang's convention, the layers' outputs (`target.model.layer_output_ids`: vLLM's id
+    minus one); vLLM reads the top-level ids first.
+  - every layer after the first normalises its input with `hidden_norm` in SGLang (llama_eagle3.py:103-105)
+    and with `input_layernorm` in vLLM, which builds a `hidden_norm` it does not use: it holds the layer's
+    `input_layernorm` weight, not ones.
+- Not served by SGLang, refused by name when the config is composed (artifacts/config.py
+  `sglang_refusal`) and by `export_head`: P-EAGLE (no parallel
+  drafting), `head.norm_before_residual=true` (SGLang reads no such flag: its residual is always the fc
+  output before `hidden_norm`, llama_eagle3.py:97-102), aux ids 0 or L (SGLang captures layer outputs 0..L-2
+  only: an id of L - 1 is never reached, models/llama.py:486-499), DFlash heads as this pipeline trains them
+  (SGLang's DFlash drafts with the target's lm_head over the whole vocabulary and has no d2t:
+  speculative/dflash_worker_v2.py:136-138), the speculators format (SGLang reads no `speculators_config`),
+  and EAGLE-1 for now (SGLang's `LlamaForCausalLMEagle` is a name vLLM does not know: it needs a directory of
+  its own, not written yet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from target.model import layer_output_ids
+
+
+def for_sglang(engine: str) -> bool:
+    return engine in ("sglang", "both")
+
+
+def check_sglang_layers(aux_layer_ids, num_target_layers: int) -> None:
+    """SGLang captures the outputs of decoder layers 0..L-2 only (an id of L - 1 is never reached: its
+    capture loop ends with the layers, models/llama.py:486-499): not the embedding, not the last output."""
+    unreachable = [i for i in aux_layer_ids if not 1 <= i <= num_target_layers - 1]
+    if unreachable:
+        raise ValueError(
+            f"cache.aux_layer_ids={list(aux_layer_ids)}: SGLang cannot capture {unreachable} "
+            f"(export.engine=sglang|both needs ids in 1..{num_target_layers - 1})"
+        )
+
+
+def sglang_config_fields(head_config: dict) -> dict:
+    """What the EAGLE-3 plain config gains for SGLang: the aux ids where and as SGLang's target reads them."""
+    return {
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": layer_output_ids(head_config["aux_layer_ids"]),
+            "use_aux_hidden_state": True,
+        }
+    }
+
+
+def sglang_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Layers after the first: `hidden_norm` = the layer's `input_layernorm` (SGLang's input norm there)."""
+    for i in range(1, num_layers):
+        weights[f"layers.{i}.hidden_norm.weight"] = weights[f"layers.{i}.input_layernorm.weight"].clone()
+    return weights
+
+
+def sglang_serve_command(
+    target: str, export_dir: str, num_steps: int, topk: int, num_draft_tokens: int
+) -> str:
+    """SGLang's server with this head and EAGLE-2 tree settings."""
+    return (
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {export_dir} --speculative-num-steps {num_steps} "
+        f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {num_draft_tokens}"
+    )

@@ -1,0 +1,144 @@
+"""Exports SGLang loads as they are (export.engine=sglang|both), proven with SGLang 0.5.23's own loader
+(export/sglang_check.py, one subprocess for every export: `make setup` installs SGLang into .venv/sglang):
+every tensor lands where ours is, packed q/k/v and gate/up included, the hot-token map is our draft-to-target
+map, SGLang's target captures the layers the head was trained on, nothing we ship is dropped; and what
+SGLang cannot serve is refused by name. CPU, no SGLang server."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from artifacts.config import check_config, compose
+from artifacts.vocab import load_vocab_map
+from export.main import run as export
+from export.sglang_check import check_with_sglang
+from export.to_vllm import export_head
+from heads.head_file import read_record
+from tests.helpers import smoke_config
+from train.main import run as train
+
+
+@pytest.fixture(scope="module")
+def two_layer_run(smoke_run, tmp_path_factory):
+    """A two-layer EAGLE-3 smoke head (4 steps): layer 1 reads its input through SGLang's hidden_norm."""
+    run_dir = tmp_path_factory.mktemp("sglang") / "run"
+    shutil.copytree(smoke_run, run_dir)
+    overrides = ["train.eval_every=0", "train.num_threads=1", "train.max_steps=4", "head.num_layers=2"]
+    train(smoke_config(run_dir, *overrides))
+    return run_dir
+
+
+NORMS = ("head.norm_before_fc=true", "head.fc_norm=true", "head.norm_output=true")
+
+
+@pytest.fixture(scope="module")
+def reports(two_layer_run, smoke_run, tmp_path_factory):
+    """SGLang's loader on the export stage's engine=both export, on a vLLM-only plain export of the same
+    head, and on a one-layer head with every norm flag SGLang reads on (norm_before_fc, fc_norm,
+    norm_output)."""
+    out = f"export.out_dir={two_layer_run / 'export_both'}"
+    both = Path(
+        export(smoke_config(two_layer_run, "export.engine=both", "export.format=plain", out))["export_dir"]
+    )
+    target_config = AutoConfig.from_pretrained(two_layer_run / "smoke_target")
+    vllm_only = export_head(
+        two_layer_run / "draft_head", two_layer_run / "export_vllm", target_config, fmt="plain"
+    )
+    normed = tmp_path_factory.mktemp("sglang_norms") / "run"
+    shutil.copytree(smoke_run, normed)
+    train(smoke_config(normed, "train.eval_every=0", "train.num_threads=1", "train.max_steps=4", *NORMS))
+    normed_export = export_head(
+        normed / "draft_head", normed / "export", target_config, fmt="plain", engine="sglang"
+    )
+    checked = check_with_sglang([both, vllm_only, normed_export])
+    return {"both": checked[0], "vllm": checked[1], "norms": checked[2], "dir": both}
+
+
+def test_sglang_loads_every_tensor_where_ours_is(reports, two_layer_run):
+    report = reports["both"]
+    assert report["architecture"] == "LlamaForCausalLMEagle3"
+    assert report["mismatched"] == {} and report["not_loaded"] == [] and report["dropped"] == []
+    for layer in (0, 1):
+        for packed in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            assert f"model.layers.{layer}.{packed}.weight" in report["landed"]
+    assert {"model.fc.weight", "model.norm.weight", "lm_head.weight"} <= set(report["landed"])
+    # Layer 1's input norm is SGLang's hidden_norm: our input_layernorm, which vLLM reads from its own name.
+    weights = load_file(str(reports["dir"] / "model.safetensors"))
+    assert torch.equal(weights["layers.1.hidden_norm.weight"], weights["layers.1.input_layernorm.weight"])
+    assert not torch.equal(
+        weights["layers.1.input_layernorm.weight"], torch.ones_like(weights["norm.weight"])
+    )
+    assert report["hot_token_map_equal"]  # target id = draft id + d2t[id], our draft-to-target map
+    vocab = load_vocab_map(two_layer_run / "draft_head" / "vocab.safetensors")
+    assert vocab.d2t is not None and torch.equal(weights["d2t"], vocab.d2t.long())
+
+
+def test_sglang_loads_the_norms_it_reads(reports):
+    report = reports["norms"]
+    assert report["mismatched"] == {} and report["not_loaded"] == [] and report["dropped"] == []
+    assert {"model.input_norm.weight", "model.fc_norm.0.weight", "model.fc_norm.2.weight"} <= set(
+        report["landed"]
+    )
+
+
+def test_sglang_captures_the_layers_the_head_was_trained_on(reports, two_layer_run):
+    aux = read_record(two_layer_run / "draft_head").config.to_dict()["aux_layer_ids"]
+    assert reports["both"]["capture_layers"] == aux
+    config = json.loads((reports["dir"] / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in aux]
+    assert config["eagle_aux_hidden_state_layer_ids"] == aux  # vLLM reads these first
+    # Without eagle_config, SGLang's target falls back to its own default layers: it reads no other field.
+    assert reports["vllm"]["capture_layers"] is None and reports["vllm"]["mismatched"] == {}
+
+
+def test_the_card_gives_sglangs_serve_command_with_the_estimated_tree(reports):
+    trees = json.loads((reports["dir"] / "sglang_trees.json").read_text())
+    best, rows = trees["recommended"], trees["rows"]
+    within = [r["mean_acceptance_length"] for r in rows if r["num_draft_tokens"] <= 8]
+    assert best["num_draft_tokens"] <= 8 and best["mean_acceptance_length"] == max(within)
+    assert (trees["chain"]["num_steps"], trees["chain"]["topk"], trees["chain"]["num_draft_tokens"]) == (
+        3,
+        1,
+        4,
+    )
+    assert (trees["sglang_default"]["num_steps"], trees["sglang_default"]["topk"]) == (5, 4)
+    card = (reports["dir"] / "README.md").read_text()
+    assert "python -m sglang.launch_server" in card and "--speculative-algorithm EAGLE3" in card
+    assert f"--speculative-draft-model-path {reports['dir']}" in card
+    assert (
+        f"--speculative-num-steps {best['num_steps']} --speculative-eagle-topk {best['topk']} "
+        f"--speculative-num-draft-tokens {best['num_draft_tokens']}"
+    ) in card
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["head.kind=peagle", "head.num_layers=2"],
+            r"head.kind=peagle: must be eagle3 .*no parallel drafting",
+        ),
+        (["head.kind=eagle1"], r"head.kind=eagle1: must be eagle3 .*LlamaForCausalLMEagle"),
+        (["export.format=speculators"], r"export.format=speculators: must be plain .*reads no speculators"),
+        (
+            ["export.format=plain", "head.norm_before_residual=true"],
+            r"head.norm_before_residual=True: must be false",
+        ),
+    ],
+)
+def test_what_sglang_cannot_serve_is_refused_when_the_config_is_composed(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(compose("config", ["experiment=smoke", "export.engine=sglang", *overrides]))
+
+
+def test_layers_sglang_cannot_capture_are_refused_at_export(two_layer_run, tmp_path):
+    target_config = AutoConfig.from_pretrained(two_layer_run / "smoke_target")
+    aux = read_record(two_layer_run / "draft_head").config.to_dict()["aux_layer_ids"]
+    target_config.num_hidden_layers = max(aux)  # the last id is then the last layer's output
+    with pytest.raises(ValueError, match=r"cache.aux_layer_ids=.*SGLang cannot capture"):
+        export_head(two_layer_run / "draft_head", tmp_path / "x", target_config, fmt="plain", engine="both")
