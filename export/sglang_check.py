@@ -130,11 +130,13 @@ def check_export(export_dir: Path) -> dict:
         ids = eagle_config["eagle_aux_hidden_state_layer_ids"]
     except (TypeError, KeyError):
         ids = None
-    target = type("Target", (), {})()
-    target.pp_group = type("PP", (), {"is_last_rank": True})()
-    target.config = type("Config", (), {"num_hidden_layers": None})()
-    target.model = type("Model", (), {})()
-    LlamaForCausalLM.set_eagle3_layers_to_capture(target, ids)
+    captured = None  # without ids SGLang captures its own default layers, whatever the head was trained on
+    if ids is not None:
+        target = type("Target", (), {})()
+        target.pp_group = type("PP", (), {"is_last_rank": True})()
+        target.model = type("Model", (), {})()
+        LlamaForCausalLM.set_eagle3_layers_to_capture(target, ids)
+        captured = list(target.model.layers_to_capture)
     return {
         "export": str(export_dir),
         "architecture": type(model).__name__,
@@ -143,7 +145,7 @@ def check_export(export_dir: Path) -> dict:
         "not_loaded": not_loaded,
         "dropped": sorted(set(ours) - used),
         "hot_token_map_equal": hot_equal,
-        "capture_layers": list(target.model.layers_to_capture) if ids is not None else None,
+        "capture_layers": captured,
     }
 
 

@@ -5,14 +5,11 @@ Read in SGLang's own code (installed by `make setup` into .venv/sglang; paths be
 - EAGLE-3: the plain format's config and weights are what `LlamaForCausalLMEagle3` reads
   (models/llama_eagle3.py: `fc`, `layers.{i}.*` with q/k/v and gate/up packed on load, `norm`, `lm_head`,
   `d2t` read as target id = draft id + d2t[id] as vLLM does, `t2d` dropped; `draft_vocab_size` must be a key:
-  :306), with two additions that leave vLLM's reading unchanged, so one directory serves both engines:
+  :306), with one addition that leaves vLLM's reading unchanged, so one directory serves both engines:
   - `eagle_config.eagle_aux_hidden_state_layer_ids`: the target side reads the layer ids from there only
     (model_executor/model_runner_components/spec_aux_hidden_state.py:185-196; without it SGLang captures its
     default layers), in SGLang's convention, the layers' outputs (`target.model.layer_output_ids`: vLLM's id
     minus one); vLLM reads the top-level ids first.
-  - every layer after the first normalises its input with `hidden_norm` in SGLang (llama_eagle3.py:103-105)
-    and with `input_layernorm` in vLLM, which builds a `hidden_norm` it does not use: it holds the layer's
-    `input_layernorm` weight, not ones.
 - Not served by SGLang, refused by name when the config is composed (artifacts/config.py
   `sglang_refusal`) and by `export_head`: P-EAGLE (no parallel
   drafting), `head.norm_before_residual=true` (SGLang reads no such flag: its residual is always the fc
@@ -25,8 +22,6 @@ Read in SGLang's own code (installed by `make setup` into .venv/sglang; paths be
 """
 
 from __future__ import annotations
-
-import torch
 
 from target.model import layer_output_ids
 
@@ -54,13 +49,6 @@ def sglang_config_fields(head_config: dict) -> dict:
             "use_aux_hidden_state": True,
         }
     }
-
-
-def sglang_weights(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Layers after the first: `hidden_norm` = the layer's `input_layernorm` (SGLang's input norm there)."""
-    for i in range(1, num_layers):
-        weights[f"layers.{i}.hidden_norm.weight"] = weights[f"layers.{i}.input_layernorm.weight"].clone()
-    return weights
 
 
 def sglang_serve_command(

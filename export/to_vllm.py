@@ -54,7 +54,7 @@ from safetensors.torch import load_file, save_file
 from artifacts import atomic
 from artifacts.config import sglang_refusal
 from artifacts.vocab import load_vocab_map
-from export.to_sglang import check_sglang_layers, for_sglang, sglang_config_fields, sglang_weights
+from export.to_sglang import check_sglang_layers, for_sglang, sglang_config_fields
 from heads.eagle3 import NORM_FLAGS
 from heads.head_file import HeadRecord, read_head
 from heads.kinds import head_kind, load_weights
@@ -295,7 +295,6 @@ def export_head(
             config = plain(c, target_config, dtype)
             if for_sglang(engine):
                 config |= sglang_config_fields(c)
-                weights = sglang_weights(weights, c.get("num_hidden_layers", 1))
         else:
             speculators = dflash_speculators_config if kind == "dflash" else eagle3_speculators_config
             config = speculators(c, target_config, dtype, target_path, num_speculative_tokens)

@@ -24,11 +24,11 @@ from train.main import run as train
 
 
 @pytest.fixture(scope="module")
-def two_layer_run(smoke_run, tmp_path_factory):
-    """A two-layer EAGLE-3 smoke head (4 steps): layer 1 reads its input through SGLang's hidden_norm."""
+def eagle3_run(smoke_run, tmp_path_factory):
+    """An EAGLE-3 smoke head (4 steps)."""
     run_dir = tmp_path_factory.mktemp("sglang") / "run"
     shutil.copytree(smoke_run, run_dir)
-    overrides = ["train.eval_every=0", "train.num_threads=1", "train.max_steps=4", "head.num_layers=2"]
+    overrides = ["train.eval_every=0", "train.num_threads=1", "train.max_steps=4"]
     train(smoke_config(run_dir, *overrides))
     return run_dir
 
@@ -37,18 +37,16 @@ NORMS = ("head.norm_before_fc=true", "head.fc_norm=true", "head.norm_output=true
 
 
 @pytest.fixture(scope="module")
-def reports(two_layer_run, smoke_run, tmp_path_factory):
+def reports(eagle3_run, smoke_run, tmp_path_factory):
     """SGLang's loader on the export stage's engine=both export, on a vLLM-only plain export of the same
     head, and on a one-layer head with every norm flag SGLang reads on (norm_before_fc, fc_norm,
     norm_output)."""
-    out = f"export.out_dir={two_layer_run / 'export_both'}"
+    out = f"export.out_dir={eagle3_run / 'export_both'}"
     both = Path(
-        export(smoke_config(two_layer_run, "export.engine=both", "export.format=plain", out))["export_dir"]
+        export(smoke_config(eagle3_run, "export.engine=both", "export.format=plain", out))["export_dir"]
     )
-    target_config = AutoConfig.from_pretrained(two_layer_run / "smoke_target")
-    vllm_only = export_head(
-        two_layer_run / "draft_head", two_layer_run / "export_vllm", target_config, fmt="plain"
-    )
+    target_config = AutoConfig.from_pretrained(eagle3_run / "smoke_target")
+    vllm_only = export_head(eagle3_run / "draft_head", eagle3_run / "export_vllm", target_config, fmt="plain")
     normed = tmp_path_factory.mktemp("sglang_norms") / "run"
     shutil.copytree(smoke_run, normed)
     train(smoke_config(normed, "train.eval_every=0", "train.num_threads=1", "train.max_steps=4", *NORMS))
@@ -59,22 +57,16 @@ def reports(two_layer_run, smoke_run, tmp_path_factory):
     return {"both": checked[0], "vllm": checked[1], "norms": checked[2], "dir": both}
 
 
-def test_sglang_loads_every_tensor_where_ours_is(reports, two_layer_run):
+def test_sglang_loads_every_tensor_where_ours_is(reports, eagle3_run):
     report = reports["both"]
     assert report["architecture"] == "LlamaForCausalLMEagle3"
     assert report["mismatched"] == {} and report["not_loaded"] == [] and report["dropped"] == []
-    for layer in (0, 1):
-        for packed in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
-            assert f"model.layers.{layer}.{packed}.weight" in report["landed"]
+    for packed in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        assert f"model.layers.0.{packed}.weight" in report["landed"]
     assert {"model.fc.weight", "model.norm.weight", "lm_head.weight"} <= set(report["landed"])
-    # Layer 1's input norm is SGLang's hidden_norm: our input_layernorm, which vLLM reads from its own name.
     weights = load_file(str(reports["dir"] / "model.safetensors"))
-    assert torch.equal(weights["layers.1.hidden_norm.weight"], weights["layers.1.input_layernorm.weight"])
-    assert not torch.equal(
-        weights["layers.1.input_layernorm.weight"], torch.ones_like(weights["norm.weight"])
-    )
     assert report["hot_token_map_equal"]  # target id = draft id + d2t[id], our draft-to-target map
-    vocab = load_vocab_map(two_layer_run / "draft_head" / "vocab.safetensors")
+    vocab = load_vocab_map(eagle3_run / "draft_head" / "vocab.safetensors")
     assert vocab.d2t is not None and torch.equal(weights["d2t"], vocab.d2t.long())
 
 
@@ -86,8 +78,8 @@ def test_sglang_loads_the_norms_it_reads(reports):
     )
 
 
-def test_sglang_captures_the_layers_the_head_was_trained_on(reports, two_layer_run):
-    aux = read_record(two_layer_run / "draft_head").config.to_dict()["aux_layer_ids"]
+def test_sglang_captures_the_layers_the_head_was_trained_on(reports, eagle3_run):
+    aux = read_record(eagle3_run / "draft_head").config.to_dict()["aux_layer_ids"]
     assert reports["both"]["capture_layers"] == aux
     config = json.loads((reports["dir"] / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in aux]
@@ -120,7 +112,7 @@ def test_the_card_gives_sglangs_serve_command_with_the_estimated_tree(reports):
     "overrides, message",
     [
         (
-            ["head.kind=peagle", "head.num_layers=2"],
+            ["head.kind=peagle"],
             r"head.kind=peagle: must be eagle3 .*no parallel drafting",
         ),
         (["head.kind=eagle1"], r"head.kind=eagle1: must be eagle3 .*LlamaForCausalLMEagle"),
@@ -136,9 +128,9 @@ def test_what_sglang_cannot_serve_is_refused_when_the_config_is_composed(overrid
         check_config(compose("config", ["experiment=smoke", "export.engine=sglang", *overrides]))
 
 
-def test_layers_sglang_cannot_capture_are_refused_at_export(two_layer_run, tmp_path):
-    target_config = AutoConfig.from_pretrained(two_layer_run / "smoke_target")
-    aux = read_record(two_layer_run / "draft_head").config.to_dict()["aux_layer_ids"]
+def test_layers_sglang_cannot_capture_are_refused_at_export(eagle3_run, tmp_path):
+    target_config = AutoConfig.from_pretrained(eagle3_run / "smoke_target")
+    aux = read_record(eagle3_run / "draft_head").config.to_dict()["aux_layer_ids"]
     target_config.num_hidden_layers = max(aux)  # the last id is then the last layer's output
     with pytest.raises(ValueError, match=r"cache.aux_layer_ids=.*SGLang cannot capture"):
-        export_head(two_layer_run / "draft_head", tmp_path / "x", target_config, fmt="plain", engine="both")
+        export_head(eagle3_run / "draft_head", tmp_path / "x", target_config, fmt="plain", engine="both")

@@ -2,8 +2,6 @@
 chain decoder exactly (the decoder export verification holds vLLM to), more verified nodes never accept
 fewer tokens on a round, and the tree is built as SGLang builds it. CPU, smoke target and head."""
 
-import shutil
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -13,35 +11,38 @@ from heads.reference_decoder import load_head, speculative_generate
 from heads.tree import Node, accepted_length, draft_tree, greedy_run, select, tree_counts
 from target.model import load_tokenizer
 from tests.helpers import smoke_config
-from train.main import run as train
 
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def decoding(smoke_run, tmp_path_factory):
-    """(target in fp32, head, 4 held-out prompts, stop ids) for a smoke EAGLE-3 head trained 16 steps."""
-    run_dir = tmp_path_factory.mktemp("tree") / "run"
-    shutil.copytree(smoke_run, run_dir)
-    cfg = smoke_config(run_dir, "train.eval_every=0", "train.num_threads=1", "train.max_steps=16")
-    train(cfg)
-    target_dir = run_dir / "smoke_target"
+def decoding(regen_head):
+    """(target in fp32, head, 4 held-out prompts, stop ids): the session's smoke head trained on the target's
+    own answers (vLLM accepts ~1.7 tokens per round of 3 from it)."""
+    cfg = smoke_config(regen_head, experiment="smoke_regen")
+    target_dir = regen_head / "smoke_target"
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    head = load_head(run_dir / "draft_head", target)
+    head = load_head(regen_head / "draft_head", target)
     tokenizer = load_tokenizer(cfg.target)
-    prompts = held_out_prompts(run_dir / "cache", tokenizer, 4)
+    prompts = held_out_prompts(regen_head / "cache", tokenizer, 4)
     return target, head, prompts, stop_token_ids(tokenizer, target_dir)
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_tree_of_topk_one_is_the_chain_decoder(decoding, k):
     target, head, prompts, stops = decoding
+    accepted = 0
     for prompt in prompts:
         output, chain = speculative_generate(target, head, prompt, k, MAX_NEW, stops)
         run = greedy_run(target, head, prompt, MAX_NEW + k, stops)
         assert run.ids[len(prompt) : len(prompt) + len(output)] == output  # greedy verification commits it
         tree = tree_counts(head, run, num_steps=k, topk=1, num_draft_tokens=k + 1, max_new_tokens=MAX_NEW)
-        assert tree.summary() == chain.summary()
+        assert (tree.num_drafts, tree.accepted_per_position) == (
+            chain.num_drafts,
+            chain.accepted_per_position,
+        )
+        accepted += chain.num_accepted_tokens
+    assert accepted > 0  # a head that drafts well enough for the comparison to mean something
 
 
 def test_more_verified_nodes_never_accept_fewer_tokens_on_a_round(decoding):
