@@ -26,7 +26,7 @@ from artifacts.config import check_config, register_configs
 from artifacts.prompts import held_out_prompts, stop_token_ids
 from heads.acceptance import AcceptanceCounts
 from heads.reference_decoder import inference_device, load_head
-from heads.tree import greedy_run, tree_counts
+from heads.tree import chain_accepted, greedy_run, tree_counts
 from target.model import DTYPES, load_tokenizer, target_dir
 
 log = logging.getLogger("sglang_trees")
@@ -70,9 +70,15 @@ def tree_grid(
     ]
     rows = []
     for steps, topk, tokens in tqdm(settings, desc="tree settings", unit="setting"):
-        total = AcceptanceCounts()
+        total, below_chain = AcceptanceCounts(), 0
         for run in runs:
-            total = total + tree_counts(head, run, steps, topk, tokens, max_new_tokens)
+
+            def against_chain(position, out_B1H, state, accepted, run=run, steps=steps):
+                nonlocal below_chain
+                greedy = run.ids[position + 1 : position + 1 + steps]
+                below_chain += accepted < chain_accepted(state, out_B1H, steps, greedy)
+
+            total = total + tree_counts(head, run, steps, topk, tokens, max_new_tokens, against_chain)
         rows.append(
             {
                 "num_steps": steps,
@@ -80,6 +86,9 @@ def tree_grid(
                 "num_draft_tokens": tokens,
                 "mean_acceptance_length": total.mean_acceptance_length,
                 "rounds": total.num_drafts,
+                # rounds on which the chain of as many steps, drafted from the same position, accepts more:
+                # SGLang keeps the K best beams per depth, which can drop the chain's own path
+                "rounds_below_chain": below_chain,
                 "per_depth": total.per_position,
             }
         )

@@ -107,6 +107,12 @@ def select(nodes: list[Node], num_draft_tokens: int) -> list[int]:
     return sorted(order[: num_draft_tokens - 1])
 
 
+def chain_accepted(state: DraftState, out_B1H: Tensor, num_steps: int, greedy: list[int]) -> int:
+    """What the chain of `num_steps` drafts accepts from the same position (the tree of topk 1)."""
+    chain = draft_tree(state, out_B1H, num_steps, 1)
+    return accepted_length(chain, list(range(len(chain))), greedy)
+
+
 def accepted_length(nodes: list[Node], verified: list[int], greedy: list[int]) -> int:
     """Greedy verification: from the root, the child equal to the next greedy token, while there is one."""
     current, accepted = -1, 0
@@ -131,7 +137,7 @@ def tree_counts(
 ) -> AcceptanceCounts:
     """Accepted tokens per round of the tree (S, K, N) along the greedy run, counted as vLLM counts a chain
     of S drafts: one draft of S positions per round, depth i accepted or not (`on_round(position, out_B1H,
-    state)`: each round's start, for comparisons with other settings at the same positions)."""
+    state, accepted)`: each round, for comparisons with other settings at the same positions)."""
     if head.draft.parallel or head.draft.drafting != "chain":
         raise ValueError(
             "EAGLE-2 trees are drafted by chain heads (EAGLE-3, EAGLE-1), not parallel or block ones"
@@ -159,7 +165,7 @@ def tree_counts(
             verified = select(nodes, num_draft_tokens)
             accepted = accepted_length(nodes, verified, ids[pending + 1 : pending + 1 + num_steps])
             if on_round is not None:
-                on_round(pending, out_B1H, state)
+                on_round(pending, out_B1H, state, accepted)
             counts.observe(num_steps, accepted)
             pending += accepted + 1
     return counts

@@ -99,6 +99,7 @@ def test_the_card_gives_sglangs_serve_command_with_the_estimated_tree(reports):
         4,
     )
     assert (trees["sglang_default"]["num_steps"], trees["sglang_default"]["topk"]) == (5, 4)
+    assert all(r["rounds_below_chain"] == 0 for r in rows if r["topk"] == 1)  # a chain against itself
     card = (reports["dir"] / "README.md").read_text()
     assert "python -m sglang.launch_server" in card and "--speculative-algorithm EAGLE3" in card
     assert f"--speculative-draft-model-path {reports['dir']}" in card

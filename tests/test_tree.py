@@ -51,12 +51,13 @@ def test_more_verified_nodes_never_accept_fewer_tokens_on_a_round(decoding):
     steps, topk, most = 3, 2, 2 + 2 * 4
     rounds = []
 
-    def each_round(position, out_B1H, state):
+    def each_round(position, out_B1H, state, tree_accepted):
         nodes = draft_tree(state, out_B1H, steps, topk)
         assert len(nodes) == topk + (steps - 1) * topk * topk
         greedy = run.ids[position + 1 : position + 1 + steps]
         accepted = [accepted_length(nodes, select(nodes, n), greedy) for n in range(2, most + 1)]
         assert accepted == sorted(accepted), accepted
+        assert accepted[4 - 2] == tree_accepted  # N = 4: what tree_counts counted on this round
         rounds.append(accepted)
 
     for prompt in prompts:
