@@ -33,6 +33,7 @@ def eagle3_run(smoke_run, tmp_path_factory):
     return run_dir
 
 
+SMALL = ("export.verify_num_prompts=2", "export.verify_max_new_tokens=16")  # the tree grid's prompts
 NORMS = ("head.norm_before_fc=true", "head.fc_norm=true", "head.norm_output=true")
 
 
@@ -43,7 +44,9 @@ def reports(eagle3_run, smoke_run, tmp_path_factory):
     norm_output)."""
     out = f"export.out_dir={eagle3_run / 'export_both'}"
     both = Path(
-        export(smoke_config(eagle3_run, "export.engine=both", "export.format=plain", out))["export_dir"]
+        export(smoke_config(eagle3_run, "export.engine=both", "export.format=plain", out, *SMALL))[
+            "export_dir"
+        ]
     )
     target_config = AutoConfig.from_pretrained(eagle3_run / "smoke_target")
     vllm_only = export_head(eagle3_run / "draft_head", eagle3_run / "export_vllm", target_config, fmt="plain")

@@ -17,14 +17,14 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def decoding(regen_head):
-    """(target in fp32, head, 4 held-out prompts, stop ids): the session's smoke head trained on the target's
+    """(target in fp32, head, 3 held-out prompts, stop ids): the session's smoke head trained on the target's
     own answers (vLLM accepts ~1.7 tokens per round of 3 from it)."""
     cfg = smoke_config(regen_head, experiment="smoke_regen")
     target_dir = regen_head / "smoke_target"
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = load_head(regen_head / "draft_head", target)
     tokenizer = load_tokenizer(cfg.target)
-    prompts = held_out_prompts(regen_head / "cache", tokenizer, 4)
+    prompts = held_out_prompts(regen_head / "cache", tokenizer, 3)
     return target, head, prompts, stop_token_ids(tokenizer, target_dir)
 
 
