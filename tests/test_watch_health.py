@@ -182,14 +182,14 @@ def test_requests_unlike_each_other_widen_the_bounds_not_the_alarms(results):
         return names
 
     varied = {"spread": 0.32}
-    independent = verdicts(1, [(100, varied)])
+    independent = verdicts(1, [(60, varied)])
     assert all(v.numbers["dispersion"] == 1.0 for v in independent)
     assert sum(v.name != "healthy" for v in independent) >= 2  # false alarms
-    dispersed = verdicts(10, [(100, varied), (2, {"conditional": [0.05, 0.05]})])
-    assert [v.name for v in dispersed[:100]] == ["healthy"] * 100
-    assert 4 < statistics.median(v.numbers["dispersion"] for v in dispersed[:100]) < 30
-    assert [v.name for v in dispersed[100:]] == ["net-negative"] * 2  # a uniform collapse: dispersion ~1
-    assert all(v.numbers["dispersion"] < 3 for v in dispersed[100:])
+    dispersed = verdicts(10, [(60, varied), (2, {"conditional": [0.05, 0.05]})])
+    assert [v.name for v in dispersed[:60]] == ["healthy"] * 60
+    assert 4 < statistics.median(v.numbers["dispersion"] for v in dispersed[:60]) < 30
+    assert [v.name for v in dispersed[60:]] == ["net-negative"] * 2  # a uniform collapse: dispersion ~1
+    assert all(v.numbers["dispersion"] < 3 for v in dispersed[60:])
 
 
 def test_a_sudden_drop_is_degraded_at_once_and_recovers(results):
