@@ -255,32 +255,30 @@ def sglang_section(export_config: dict, target: str, export_dir: str, k: int) ->
     if "eagle_config" not in export_config:
         return []
     trees_file = Path(export_dir) / "sglang_trees.json"
-    if not trees_file.exists():
-        return [
-            "",
-            "SGLang serves the same directory (`export.engine=both`, checked with SGLang's own loader: "
-            "docs/sglang.md), here as the chain of k drafts verified above:",
-            "",
-            "```bash",
-            sglang_serve_command(target, export_dir, k, 1, k + 1),
-            "```",
-        ]
-    trees = json.loads(trees_file.read_text())
-    best, chain, default = trees["recommended"], trees["chain"], trees["sglang_default"]
+    settings, served_as = (k, 1, k + 1), "here as the chain of k drafts verified above"
+    if trees_file.exists():
+        trees = json.loads(trees_file.read_text())
+        best, chain, default = trees["recommended"], trees["chain"], trees["sglang_default"]
 
-    def setting(r):
-        return f"({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}): {r['mean_acceptance_length']:.3f}"
+        def setting(r):
+            return (
+                f"({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}): {r['mean_acceptance_length']:.3f}"
+            )
 
+        settings = (best["num_steps"], best["topk"], best["num_draft_tokens"])
+        served_as = (
+            f"with the EAGLE-2 tree the reference decoder estimated best within {trees['budget']} verified "
+            f"tokens on {trees['prompts']} held-out prompts (tokens per round, (steps, topk, draft tokens)): "
+            f"{setting(best)}; SGLang's default {setting(default)}; the chain of k={k} {setting(chain)} "
+            "(estimates: a GPU run confirms them, docs/sglang.md#trees)"
+        )
     return [
         "",
         "SGLang serves the same directory (`export.engine=both`, checked with SGLang's own loader: "
-        "docs/sglang.md), with the EAGLE-2 tree the reference decoder estimated best within "
-        f"{trees['budget']} verified tokens on {trees['prompts']} held-out prompts (tokens per round, "
-        f"(steps, topk, draft tokens)): {setting(best)}; SGLang's default {setting(default)}; the chain of "
-        f"k={k} {setting(chain)} (estimates: a GPU run confirms them, docs/sglang.md#trees):",
+        f"docs/sglang.md), {served_as}:",
         "",
         "```bash",
-        sglang_serve_command(target, export_dir, best["num_steps"], best["topk"], best["num_draft_tokens"]),
+        sglang_serve_command(target, export_dir, *settings),
         "```",
     ]
 

@@ -85,9 +85,10 @@ def run(cfg: DictConfig) -> dict:
     log.info("exported %s (%s, %s format, %s)", out_dir, record.kind, fmt, cfg.export.dtype)
 
     verification, failure = None, None
-    if cfg.export.verify:
+    if cfg.export.verify or for_sglang(cfg.export.engine):
         tokenizer = load_tokenizer(cfg.target)
         prompts = verification_prompts(cfg, tokenizer, record, run_dir)
+    if cfg.export.verify:
         try:
             with leash(run_dir, "export"):  # vLLM's engine never outlives this process, however it dies
                 verification = verify_export(
@@ -110,7 +111,7 @@ def run(cfg: DictConfig) -> dict:
             atomic.write_json(out_dir / "verification.json", verification)
 
     if for_sglang(cfg.export.engine):  # SGLang's tree settings, estimated by the reference decoder
-        run_trees(cfg, head_dir, out_dir / "sglang_trees.json")
+        run_trees(cfg, head_dir, out_dir / "sglang_trees.json", tokenizer, prompts)
 
     eval_file = run_dir / "eval" / "results.json"
     eval_results = json.loads(eval_file.read_text()) if eval_file.exists() else None

@@ -23,8 +23,9 @@ from tqdm import tqdm
 
 from artifacts import atomic
 from artifacts.config import check_config, register_configs
-from artifacts.prompts import held_out_prompts, stop_token_ids
+from artifacts.prompts import stop_token_ids
 from heads.acceptance import AcceptanceCounts
+from heads.head_file import read_record
 from heads.reference_decoder import inference_device, load_head
 from heads.tree import chain_accepted, greedy_run, tree_counts
 from target.model import DTYPES, load_tokenizer, target_dir
@@ -110,12 +111,10 @@ def tree_grid(
     }
 
 
-def run_trees(cfg: DictConfig, head_dir: Path, out_path: Path) -> dict:
-    """The grid for `head_dir` on the cache's held-out prompts (export.verify_num_prompts of them,
-    export.verify_max_new_tokens each, the verification's settings), written to `out_path`."""
-    tokenizer = load_tokenizer(cfg.target)
+def run_trees(cfg: DictConfig, head_dir: Path, out_path: Path, tokenizer, prompts: list[list[int]]) -> dict:
+    """The grid for `head_dir` on the verification's prompts (`prompts`, export.verify_max_new_tokens
+    each), written to `out_path`."""
     path = target_dir(cfg.target)
-    prompts = held_out_prompts(Path(cfg.run_dir) / "cache", tokenizer, cfg.export.verify_num_prompts)
     trees = tree_grid(
         path,
         head_dir,
@@ -138,8 +137,13 @@ def run_trees(cfg: DictConfig, head_dir: Path, out_path: Path) -> dict:
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     check_config(cfg)
+    from export.main import verification_prompts  # the stage imports this module: not at the top
+
     run_dir = Path(cfg.run_dir)
-    trees = run_trees(cfg, Path(cfg.export.head_dir or run_dir / "draft_head"), run_dir / "sglang_trees.json")
+    head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
+    tokenizer = load_tokenizer(cfg.target)
+    prompts = verification_prompts(cfg, tokenizer, read_record(head_dir), run_dir)
+    trees = run_trees(cfg, head_dir, run_dir / "sglang_trees.json", tokenizer, prompts)
     print(json.dumps({key: trees[key] for key in ("chain", "sglang_default", "recommended")}, indent=2))
 
 

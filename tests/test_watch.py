@@ -16,7 +16,20 @@ from tests.test_watch_health import MEASURED, MODEL, Server, eval_counts
 from tests.test_watch_health import results as results  # noqa: F401 (fixture)
 
 
-class Stub:
+class LocalServer:
+    """An HTTP server on a free local port, answered by a handler class, in a thread (`with`: shut down)."""
+
+    def serve(self, handler):
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        return self
+
+    def __exit__(self, *exc):
+        self.http.shutdown()
+
+
+class Stub(LocalServer):
     """A served model whose acceptance is `conditional` per position, 800 rounds per scrape."""
 
     def __init__(self, conditional=MEASURED, model=MODEL, vllm=True):
@@ -45,13 +58,7 @@ class Stub:
             def log_message(self, *args):
                 pass
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        return self
-
-    def __exit__(self, *exc):
-        self.http.shutdown()
+        return self.serve(Handler)
 
 
 @pytest.fixture
@@ -161,7 +168,7 @@ def test_bad_input_is_refused_naming_what_is_wrong(tmp_path, head, case, message
             watch(config(tmp_path, head, url, "watch.once=true", *extra))
 
 
-class CompletionsStub:
+class CompletionsStub(LocalServer):
     """/v1/completions streaming `Answer <n>.` to request n, HTTP 500 to request 1."""
 
     def __enter__(self):
@@ -184,13 +191,7 @@ class CompletionsStub:
             def log_message(self, *args):
                 pass
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        return self
-
-    def __exit__(self, *exc):
-        self.http.shutdown()
+        return self.serve(Handler)
 
 
 def test_traffic_logs_each_served_answer_as_a_record_data_prep_reads(tmp_path):
