@@ -631,22 +631,17 @@ def sglang_refusal(kind: str, fmt: str, norm_before_residual: bool) -> tuple[str
         return (
             "head.kind",
             kind,
-            "eagle3 for export.engine=sglang|both (SGLang 0.5.23 has no parallel drafting)",
+            "eagle3 or eagle1 for export.engine=sglang|both (SGLang 0.5.23 has no parallel drafting)",
         )
     if kind == "dflash":
         return (
             "head.kind",
             kind,
-            "eagle3 for export.engine=sglang|both (SGLang's DFlash drafts with the target's lm_head over the "
+            "eagle3 or eagle1 for export.engine=sglang|both (SGLang's DFlash drafts with the target's lm_head over the "
             "whole vocabulary and reads no d2t; this pipeline's DFlash heads train their own lm_head)",
         )
-    if kind == "eagle1":
-        return (
-            "head.kind",
-            kind,
-            "eagle3 for export.engine=sglang|both (SGLang's EAGLE-1 class, LlamaForCausalLMEagle, is a name "
-            "vLLM does not know: an export directory of its own, not written yet)",
-        )
+    if kind == "eagle1":  # one format (plain); SGLang's goes to a directory of its own
+        return None
     if fmt != "plain":
         return (
             "export.format",

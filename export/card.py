@@ -13,7 +13,7 @@ from pathlib import Path
 
 from artifacts import atomic
 from artifacts.config import dflash_trained_ks
-from export.to_sglang import sglang_serve_command
+from export.to_sglang import sglang_export, sglang_serve_command
 from export.to_vllm import speculative_config
 from heads.head_file import read_record
 from heads.kinds import head_kind
@@ -252,8 +252,10 @@ def model_card(
 def sglang_section(export_config: dict, target: str, export_dir: str, k: int) -> list[str]:
     """SGLang's serve command, for an export SGLang loads (export.engine=sglang|both), with the EAGLE-2 tree
     settings the reference decoder estimated best (sglang_trees.json), else the chain of k drafts."""
-    if "eagle_config" not in export_config:
+    served = sglang_export(export_dir, export_config)
+    if served is None:
         return []
+    sglang_dir, algorithm = served
     trees_file = Path(export_dir) / "sglang_trees.json"
     settings, served_as = (k, 1, k + 1), "here as the chain of k drafts verified above"
     if trees_file.exists():
@@ -272,13 +274,18 @@ def sglang_section(export_config: dict, target: str, export_dir: str, k: int) ->
             f"{setting(best)}; SGLang's default {setting(default)}; the chain of k={k} {setting(chain)} "
             "(estimates: a GPU run confirms them, docs/sglang.md#trees)"
         )
+    where = (
+        "the same directory"
+        if sglang_dir == Path(export_dir)
+        else f"its own directory, `{sglang_dir}` (SGLang's EAGLE-1 class is a name vLLM does not know)"
+    )
     return [
         "",
-        "SGLang serves the same directory (`export.engine=both`, checked with SGLang's own loader: "
+        f"SGLang serves {where} (`export.engine=sglang|both`, checked with SGLang's own loader: "
         f"docs/sglang.md), {served_as}:",
         "",
         "```bash",
-        sglang_serve_command(target, export_dir, *settings),
+        sglang_serve_command(target, str(sglang_dir), algorithm, *settings),
         "```",
     ]
 

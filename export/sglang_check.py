@@ -9,7 +9,8 @@ variables and holds a process group.
 
 A report: {"export", "architecture", "landed": [names], "mismatched": {name: why}, "not_loaded": [SGLang
 parameters no tensor of ours filled, the target's embedding aside], "dropped": [our tensors SGLang did not
-read], "hot_token_map_equal": bool, "capture_layers": [vLLM-convention ids SGLang's target captures]}.
+read], "hot_token_map_equal": bool, "capture_layers": [vLLM-convention ids SGLang's target captures, None
+where it reads none: its defaults for EAGLE-3, the final states for EAGLE-1]}.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ PACKED = {  # SGLang's fused parameters and the checkpoint tensors packed into t
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-NOT_OURS = ("embed_tokens.weight",)  # SGLang shares the target's (eagle_worker_v2.py:336-376)
+NOT_OURS = ("embed_tokens.weight",)  # SGLang shares the target's (eagle_worker_v2.py:336-378)
+HEAD_NOT_OURS = {"LlamaForCausalLMEagle": ("lm_head.weight",)}  # EAGLE-1: the target's lm_head too (:371-378)
 
 
 def check_with_sglang(export_dirs: list[Path], timeout_s: float = 600.0) -> list[dict]:
@@ -97,8 +99,9 @@ def check_export(export_dir: Path) -> dict:
     model_config = ModelConfig(model_path=str(export_dir), is_draft_model=True, dtype="float32")
     model = get_model(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
     landed, mismatched, not_loaded, used = [], {}, [], set()
+    shared = NOT_OURS + HEAD_NOT_OURS.get(type(model).__name__, ())
     for name, param in model.named_parameters():
-        if name.endswith(NOT_OURS):
+        if name.endswith(shared):
             continue
         expected, sources = expected_tensor(name, ours)
         if expected is None:

@@ -16,14 +16,26 @@ Read in SGLang's own code (installed by `make setup` into .venv/sglang; paths be
   output before `hidden_norm`, llama_eagle3.py:97-102), aux ids 0 or L (SGLang captures layer outputs 0..L-2
   only: an id of L - 1 is never reached, models/llama.py:486-499), DFlash heads as this pipeline trains them
   (SGLang's DFlash drafts with the target's lm_head over the whole vocabulary and has no d2t:
-  speculative/dflash_worker_v2.py:136-138), the speculators format (SGLang reads no `speculators_config`),
-  and EAGLE-1 for now (SGLang's `LlamaForCausalLMEagle` is a name vLLM does not know: it needs a directory of
-  its own, not written yet).
+  speculative/dflash_worker_v2.py:136-138), and the speculators format (SGLang reads no `speculators_config`).
+- EAGLE-1: SGLang's class is `LlamaForCausalLMEagle` (models/llama_eagle.py), a name vLLM does not know, and
+  vLLM's EAGLE-1 config (`LlamaForCausalLM`) loads in SGLang as a plain Llama whose layer weights miss: so
+  SGLang gets a directory of its own, `<export>/sglang/` (SGLANG_DIR), beside vLLM's, which verification
+  serves. The same tensors and names (SGLang prefixes `model.` to all but `lm_head`, :146-150; layer 0 has no
+  `input_layernorm`, :53-55; no final norm), plus a zero `fc.bias`: SGLang's `fc` has a bias (:91) that
+  would otherwise stay uninitialised; ours has none. The embedding and lm_head are the target's
+  (speculative/eagle_worker_v2.py:371-378), and the target passes its final states after its norm, as
+  vLLM's does.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from target.model import layer_output_ids
+
+SGLANG_DIR = "sglang"  # an EAGLE-1 export's SGLang directory, inside vLLM's
 
 
 def for_sglang(engine: str) -> bool:
@@ -51,12 +63,29 @@ def sglang_config_fields(head_config: dict) -> dict:
     }
 
 
+def eagle1_sglang_files(vllm_config: dict, weights: dict) -> tuple[dict, dict]:
+    """(config.json, tensors) of an EAGLE-1 head's SGLang directory, from vLLM's."""
+    fc = weights["fc.weight"]
+    bias = torch.zeros(fc.shape[0], dtype=fc.dtype)
+    return {**vllm_config, "architectures": ["LlamaForCausalLMEagle"]}, {**weights, "fc.bias": bias}
+
+
+def sglang_export(export_dir: Path, export_config: dict) -> tuple[Path, str] | None:
+    """(the directory SGLang serves, its --speculative-algorithm) for an export, or None where the export
+    was written for vLLM only."""
+    if (Path(export_dir) / SGLANG_DIR / "config.json").exists():
+        return Path(export_dir) / SGLANG_DIR, "EAGLE"
+    if "eagle_config" in export_config:
+        return Path(export_dir), "EAGLE3"
+    return None
+
+
 def sglang_serve_command(
-    target: str, export_dir: str, num_steps: int, topk: int, num_draft_tokens: int
+    target: str, export_dir: str, algorithm: str, num_steps: int, topk: int, num_draft_tokens: int
 ) -> str:
     """SGLang's server with this head and EAGLE-2 tree settings."""
     return (
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
         f"--speculative-draft-model-path {export_dir} --speculative-num-steps {num_steps} "
         f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {num_draft_tokens}"
     )

@@ -36,7 +36,7 @@ bidirectional head causally; speculators has no causal full attention, so a caus
 top-level `model_type` (vLLM then reads it as a Qwen3 model, not the speculators format), `t2d` beside `d2t`.
 EAGLE-1 is a plain one-layer Llama config (`architectures: [LlamaForCausalLM]`; vLLM's `method: eagle` maps
 it to its EAGLE Llama) with `fc` and `layers.0.*` minus `input_layernorm`, and no `norm` or `lm_head`: any
-of the three is a load error.
+of the three is a load error. SGLang's formats are decided in export/to_sglang.py.
 
 `read_export` loads an export back into the project's head classes (the round trip the tests check).
 
@@ -54,7 +54,13 @@ from safetensors.torch import load_file, save_file
 from artifacts import atomic
 from artifacts.config import sglang_refusal
 from artifacts.vocab import load_vocab_map
-from export.to_sglang import check_sglang_layers, for_sglang, sglang_config_fields
+from export.to_sglang import (
+    SGLANG_DIR,
+    check_sglang_layers,
+    eagle1_sglang_files,
+    for_sglang,
+    sglang_config_fields,
+)
 from heads.eagle3 import NORM_FLAGS
 from heads.head_file import HeadRecord, read_head
 from heads.kinds import head_kind, load_weights
@@ -266,7 +272,8 @@ def export_head(
     EAGLE-3, P-EAGLE and DFlash heads go to `fmt` (speculators or plain); EAGLE-1 heads have one, plain.
     `head`: the directory's (record, weights) as `read_head` returned them, when the caller has read them.
     `allow_unverified_head`: export a head whose record holds no checksums (export.allow_unverified_head).
-    `engine`: vllm, or sglang / both - an EAGLE-3 plain export SGLang loads too (export/to_sglang.py).
+    `engine`: vllm, or sglang / both - an EAGLE-3 plain export SGLang loads too, an EAGLE-1 export with
+    SGLang's directory inside (export/to_sglang.py).
     """
     # Checksums, finite and sane weights: a corrupt head is refused here, whoever exports it.
     record, head_weights = head or read_head(head_dir, allow_unverified=allow_unverified_head)
@@ -280,8 +287,8 @@ def export_head(
         if refusal is not None:
             setting, value, needed = refusal
             raise ValueError(f"{setting}={value!r}: {needed}")
-        check_sglang_layers(c["aux_layer_ids"], target_config.num_hidden_layers)
-    weights = {k: v.to(DTYPES[dtype]) for k, v in head_weights.items()}
+        check_sglang_layers(c.get("aux_layer_ids", []), target_config.num_hidden_layers)
+    weights, sglang = {k: v.to(DTYPES[dtype]) for k, v in head_weights.items()}, None
     weights.pop("fc.bias", None)  # vLLM drops it silently: never ship one
     for i in range(1, c.get("num_hidden_layers", 1) if kind != "dflash" else 1):
         # vLLM's EAGLE-3 loads a (here unused) hidden_norm per layer
@@ -304,11 +311,19 @@ def export_head(
                 weights["mask_hidden"] = weights["mask_hidden"].reshape(1, 1, -1)
     else:
         config = eagle1_config(c, target_config, dtype)
+        if for_sglang(engine):
+            sglang = eagle1_sglang_files(config, weights)
     if record.trained_ks is not None:  # for eval and readers; vLLM and speculators ignore the key
         config[TRAINED_KS] = record.trained_ks
     with atomic.publish_dir(out_dir) as tmp:  # the old export stays whole until this one replaces it
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if sglang is not None:  # EAGLE-1 for SGLang: a directory of its own (export/to_sglang.py)
+            (tmp / SGLANG_DIR).mkdir()
+            save_file(
+                {k: v.contiguous() for k, v in sglang[1].items()}, str(tmp / SGLANG_DIR / "model.safetensors")
+            )
+            (tmp / SGLANG_DIR / "config.json").write_text(json.dumps(sglang[0], indent=2) + "\n")
     return out_dir
 
 

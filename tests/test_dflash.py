@@ -322,7 +322,7 @@ VLLM_OVERRIDES = [
     "train.eval_every=0",
     "train.save_every=0",
     "train.num_threads=1",
-    "train.num_epochs=8",
+    "train.num_epochs=5",  # mean acceptance ~1.54 at k=4 (measured; 8 epochs cost ~60 s more)
     *DFLASH,
 ]
 

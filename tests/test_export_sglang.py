@@ -17,6 +17,7 @@ from artifacts.config import check_config, compose
 from artifacts.vocab import load_vocab_map
 from export.main import run as export
 from export.sglang_check import check_with_sglang
+from export.to_sglang import SGLANG_DIR
 from export.to_vllm import export_head
 from heads.head_file import read_record
 from tests.helpers import smoke_config
@@ -38,10 +39,21 @@ NORMS = ("head.norm_before_fc=true", "head.fc_norm=true", "head.norm_output=true
 
 
 @pytest.fixture(scope="module")
-def reports(eagle3_run, smoke_run, tmp_path_factory):
-    """SGLang's loader on the export stage's engine=both export, on a vLLM-only plain export of the same
-    head, and on a one-layer head with every norm flag SGLang reads on (norm_before_fc, fc_norm,
-    norm_output)."""
+def eagle1_export(smoke_run, tmp_path_factory):
+    """The export stage's engine=both export of an EAGLE-1 smoke head (4 steps): vLLM's directory, SGLang's
+    inside it."""
+    run_dir = tmp_path_factory.mktemp("sglang_eagle1") / "run"
+    shutil.copytree(smoke_run, run_dir)
+    overrides = ["train.eval_every=0", "train.num_threads=1", "train.max_steps=4", "head.kind=eagle1"]
+    train(smoke_config(run_dir, *overrides))
+    return Path(export(smoke_config(run_dir, *overrides, "export.engine=both", *SMALL))["export_dir"])
+
+
+@pytest.fixture(scope="module")
+def reports(eagle3_run, eagle1_export, smoke_run, tmp_path_factory):
+    """SGLang's loader on the export stage's engine=both exports (EAGLE-3; EAGLE-1's SGLang directory and,
+    to show why it has one, its vLLM directory), on a vLLM-only plain export of the EAGLE-3 head, and on a
+    one-layer head with every norm flag SGLang reads on (norm_before_fc, fc_norm, norm_output)."""
     out = f"export.out_dir={eagle3_run / 'export_both'}"
     both = Path(
         export(smoke_config(eagle3_run, "export.engine=both", "export.format=plain", out, *SMALL))[
@@ -56,8 +68,9 @@ def reports(eagle3_run, smoke_run, tmp_path_factory):
     normed_export = export_head(
         normed / "draft_head", normed / "export", target_config, fmt="plain", engine="sglang"
     )
-    checked = check_with_sglang([both, vllm_only, normed_export])
-    return {"both": checked[0], "vllm": checked[1], "norms": checked[2], "dir": both}
+    exports = [both, vllm_only, normed_export, eagle1_export / SGLANG_DIR, eagle1_export]
+    names = ["both", "vllm", "norms", "eagle1", "eagle1_vllm"]
+    return {**dict(zip(names, check_with_sglang(exports), strict=True)), "dir": both}
 
 
 def test_sglang_loads_every_tensor_where_ours_is(reports, eagle3_run):
@@ -79,6 +92,27 @@ def test_sglang_loads_the_norms_it_reads(reports):
     assert {"model.input_norm.weight", "model.fc_norm.0.weight", "model.fc_norm.2.weight"} <= set(
         report["landed"]
     )
+
+
+def test_sglang_loads_an_eagle1_head_from_its_own_directory(reports, eagle1_export):
+    report = reports["eagle1"]
+    assert report["architecture"] == "LlamaForCausalLMEagle"
+    assert report["mismatched"] == {} and report["not_loaded"] == [] and report["dropped"] == []
+    assert {"model.fc.weight", "model.fc.bias", "model.layers.0.self_attn.qkv_proj.weight"} <= set(
+        report["landed"]
+    )
+    assert report["capture_layers"] is None  # EAGLE-1 reads the target's final states
+    sglang = load_file(str(eagle1_export / SGLANG_DIR / "model.safetensors"))
+    vllm = load_file(str(eagle1_export / "model.safetensors"))
+    assert not sglang.pop("fc.bias").any() and "fc.bias" not in vllm  # SGLang's fc has a bias, vLLM's none
+    assert sglang.keys() == vllm.keys() and all(torch.equal(sglang[k], vllm[k]) for k in vllm)
+    assert json.loads((eagle1_export / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    # vLLM's directory is no EAGLE-1 head to SGLang: it builds a plain Llama, and the layer weights miss.
+    plain = reports["eagle1_vllm"]
+    assert plain["architecture"] == "LlamaForCausalLM" and plain["mismatched"] and plain["not_loaded"]
+    card = (eagle1_export / "README.md").read_text()
+    assert "--speculative-algorithm EAGLE " in card
+    assert f"--speculative-draft-model-path {eagle1_export / SGLANG_DIR}" in card
 
 
 def test_sglang_captures_the_layers_the_head_was_trained_on(reports, eagle3_run):
@@ -119,7 +153,6 @@ def test_the_card_gives_sglangs_serve_command_with_the_estimated_tree(reports):
             ["head.kind=peagle"],
             r"head.kind=peagle: must be eagle3 .*no parallel drafting",
         ),
-        (["head.kind=eagle1"], r"head.kind=eagle1: must be eagle3 .*LlamaForCausalLMEagle"),
         (["export.format=speculators"], r"export.format=speculators: must be plain .*reads no speculators"),
         (
             ["export.format=plain", "head.norm_before_residual=true"],
