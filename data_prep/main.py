@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from artifacts import atomic
 from artifacts.cache import read_shard_sidecar, read_shard_tokens, shard_path
 from artifacts.config import check_config, register_configs
+from artifacts.errors import stage_errors
 from artifacts.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity
 from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
@@ -225,8 +226,15 @@ def run(cfg: DictConfig) -> dict:
             skipped.update(split_skipped)
             num_truncated += truncated
     if not samples["train"]:
+        cut = skipped.get("too_long", 0) + skipped.get("no_loss_tokens", 0)
+        why = (
+            f": {cut} were too long or kept no answer token within render.max_length={cfg.render.max_length} "
+            f"(render.overlong={cfg.render.overlong}); raise render.max_length"
+            if cut
+            else ""
+        )
         raise ValueError(
-            f"no training samples left from {describe_sources(cfg.data)} (skipped: {dict(skipped)})"
+            f"no training samples left from {describe_sources(cfg.data)} (skipped: {dict(skipped)}){why}"
         )
 
     if accelerator.is_main_process:
@@ -355,6 +363,7 @@ def write_eval_conversations(path: Path, conversations) -> None:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
+@stage_errors("data_prep")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

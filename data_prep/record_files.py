@@ -50,7 +50,8 @@ def decode_json_lines(lines: Iterable[bytes], path: str, report_problem: Problem
         try:
             yield json.loads(line)  # bytes in: json detects UTF-8 and a leading BOM itself
         except json.JSONDecodeError as err:
-            report_problem(f"{path}: line {line_number}: {err.msg} at column {err.colno}")
+            # json's messages may end in "at" ("Unterminated string starting at"): the column goes first
+            report_problem(f"{path}: line {line_number}, column {err.colno}: {err.msg.removesuffix(' at')}")
         except UnicodeDecodeError as err:
             report_problem(f"{path}: line {line_number}: invalid UTF-8 ({err.reason})")
 

@@ -78,7 +78,14 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, s
             for i, conv in enumerate(conversations):
                 if not (alive[i] and turn < num_answers[i]):
                     continue
-                prompt = render_conversation(tokenizer, conv.id, history[i] + [questions[i][turn]], True)
+                try:
+                    prompt = render_conversation(tokenizer, conv.id, history[i] + [questions[i][turn]], True)
+                except Exception as error:  # a template may reject a record: skip it, as render_all does
+                    log.warning("conversation %s: cannot render turn %d with the chat template: %s",
+                                conv.id, turn + 1, error)  # fmt: skip
+                    counts["template_error"] += 1
+                    alive[i], history[i] = False, []  # dropped whole: its earlier answers were rendered
+                    continue  # in a context this turn's template rejects
                 # vLLM refuses a whole call over one prompt longer than the engine: leave those out here.
                 if len(prompt.input_ids) >= max_model_len:
                     counts["prompt_too_long"] += 1
@@ -137,6 +144,20 @@ def token_prompts(prompts: list[list[int]]):
     return [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
 
+def remove_stale_chunks(out_dir: Path, current: set[str], batch_size: int) -> None:
+    """Remove chunk files another chunking left (regen.batch_size changed since they were written): their
+    conversations are regenerated in this run's chunks, said in the log."""
+    stale = [p for p in out_dir.glob("chunk-*-of-*.json") if p.name not in current]
+    if stale:
+        log.warning(
+            "%s: %d chunk file(s) of another regen.batch_size than %d (or other data): removed; their "
+            "conversations are regenerated in chunks of %d",
+            out_dir, len(stale), batch_size, batch_size,
+        )  # fmt: skip
+        for path in stale:
+            path.unlink(missing_ok=True)
+
+
 def regenerate_rank_share(
     conversations, tokenizer, target_path: str, cfg, out_dir: Path, accelerator, capture=None
 ):
@@ -158,11 +179,19 @@ def regenerate_rank_share(
     def chunk_path(c):
         return out_dir / f"chunk-{c:05d}-of-{len(chunks):05d}.json"
 
+    def ids(c):
+        return [conv.id for conv in chunks[c]]
+
     def finished(c):
         if not chunk_path(c).exists():
             return False
-        return capture is None or capture.verify(json.loads(chunk_path(c).read_text()).get("shards"))
+        data = json.loads(chunk_path(c).read_text())
+        if data.get("ids") != ids(c):  # written for other chunks (another regen.batch_size or data)
+            return False
+        return capture is None or capture.verify(data.get("shards"))
 
+    if accelerator.is_main_process:
+        remove_stale_chunks(out_dir, {chunk_path(c).name for c in range(len(chunks))}, cfg.batch_size)
     mine = range(rank, len(chunks), world)
     todo = [c for c in mine if not finished(c)]
     if len(todo) < len(mine):
@@ -188,7 +217,8 @@ def regenerate_rank_share(
                     counts.update(writer.counts)
                 conversations_done = [{"id": x.id, "messages": x.messages} for x in new]
                 atomic.write_json(
-                    chunk_path(c), {"counts": counts, **shards, "conversations": conversations_done}
+                    chunk_path(c),
+                    {"ids": ids(c), "counts": counts, **shards, "conversations": conversations_done},
                 )
         finally:
             if capture is None:

@@ -4,8 +4,9 @@ The loss mask is found without any table of templates: for each assistant turn i
 produces for `messages[:i]` with the generation prompt is where the answer starts, and the text for
 `messages[:i+1]` is where it ends (its end-of-turn token included, trailing whitespace not). This holds for
 any template whose renderings of a conversation's prefixes are prefixes of its full rendering (Llama-3,
-ChatML, Llama-2, Mistral, ...). For templates that rewrite earlier turns (e.g. drop past reasoning), the
-answer's text is searched for in the full rendering instead.
+ChatML, Llama-2, Mistral, ...). For templates that rewrite earlier turns (e.g. drop past reasoning, as
+Qwen3's does), the answer's text - or, reasoning dropped, its text after `</think>` - is searched for in
+the full rendering instead: the mask covers each answer as the template renders the whole conversation.
 
 Mask convention, used by every stage: `loss_mask[t] == 1` iff token t belongs to an assistant answer, i.e.
 it is a token the draft is trained to predict.
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+
+
+REASONING_END = "</think>"  # where reasoning models' answers end their reasoning (Qwen3, DeepSeek-R1, ...)
 
 
 @dataclass
@@ -58,10 +62,13 @@ def assistant_char_spans(
 
 
 def _search_answer(full: str, content: str, through: str, before: str, cursor: int) -> tuple[int, int]:
-    """Fallback for templates that rewrite history: find the answer text itself after `cursor`."""
-    answer = content.strip()
-    start = full.find(answer, cursor)
-    if not answer or start < 0:
+    """Fallback for templates that rewrite history: find the answer text itself after `cursor` - whole, or
+    as reasoning models' templates render a past answer, its reasoning (up to `</think>`) dropped."""
+    for answer in dict.fromkeys([content.strip(), content.rpartition(REASONING_END)[2].strip()]):
+        start = full.find(answer, cursor) if answer else -1
+        if start >= 0:
+            break
+    if start < 0:
         raise ValueError("the assistant answer does not appear in the template's rendering")
     end = start + len(answer)
     # Take the end-of-turn marker too: whatever follows the answer in this turn's own rendering.

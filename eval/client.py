@@ -11,7 +11,8 @@ Latency definitions (docs/design.md#acceptance-metrics-and-economics): TTFT = fi
 TPOT = (last chunk - first chunk) / (tokens - 1), per token; ITL = gaps between engine steps as the client
 sees them. vLLM streams the tokens of one verify step as separate chunks arriving together, so chunks
 closer than STEP_GAP_S are one step: with speculative decoding ITL is per verify step, without it per
-token. A failed request is counted and reported; the run goes on.
+token. A failed request is counted and reported; the run goes on. An answer with no text (the model ended
+at once, the stream complete) is an answer: counted (`num_empty`), and its conversation's next turn is sent.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class RequestResult:
     tpot_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     text: str = ""  # the answer as streamed: a conversation's next turn is rendered from it
+    empty: bool = False  # a complete answer with no text (the model ended at once): an answer all the same
 
 
 async def one_request(session, url: str, payload: dict, timeout_s: float) -> RequestResult:
@@ -44,7 +46,7 @@ async def one_request(session, url: str, payload: dict, timeout_s: float) -> Req
 
     result = RequestResult()
     start = time.perf_counter()
-    chunk_times, text_tokens, texts = [], 0, []
+    chunk_times, text_tokens, texts, done = [], 0, [], False
     try:
         async with session.post(
             f"{url}/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -58,6 +60,7 @@ async def one_request(session, url: str, payload: dict, timeout_s: float) -> Req
                     continue
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if chunk.get("usage"):
@@ -69,7 +72,10 @@ async def one_request(session, url: str, payload: dict, timeout_s: float) -> Req
         result.error = f"{type(error).__name__}: {error}"
         return result
     if not chunk_times:
-        result.error = "no tokens streamed"
+        if not done:
+            result.error = "the stream ended before any token or [DONE]"
+        else:  # answered with nothing: counted as an answer (no latency to time), the conversation goes on
+            result.ok, result.empty, result.num_tokens = True, True, text_tokens
         return result
     result.ok, result.num_tokens, result.text = True, text_tokens or len(chunk_times), "".join(texts)
     result.ttft_s = chunk_times[0] - start
@@ -170,7 +176,8 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "output_tokens": output_tokens,
         "duration_s": duration_s,
         "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else None,
-        "ttft_ms": percentiles_ms([r.ttft_s for r in ok]),
+        "num_empty": sum(r.empty for r in ok),
+        "ttft_ms": percentiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": percentiles_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": percentiles_ms([gap for r in ok for gap in r.itls_s]),
     }

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from artifacts import atomic
 from artifacts.config import refuse
+from export.record import check_export
 from export.to_vllm import check_head_fits_target, export_trained_ks, read_export_config, speculative_config
 from heads.kinds import head_kind
 
@@ -31,9 +32,11 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
                 "prompt_lookup_max": head.prompt_lookup_max,
                 "prompt_lookup_min": head.prompt_lookup_min,
             }
+            note = None
         elif head.method == "export":
             path = Path(head.path or run_dir / "export")
             atomic.recover_dir(path)  # an export killed while publishing left the old one aside
+            note = export_note(head.name, path, check_export(path))  # files, checksums, weights readable
             kind, fields = read_export_config(path)
             check_head_fits_target(path, fields, target_config)
             drafting = head_kind(kind).drafting
@@ -54,9 +57,24 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
                     "k": int(k),
                     "drafting": drafting,
                     "speculative_config": spec,
+                    "note": note,
                 }
             )
     return configs
+
+
+def export_note(name: str, path: Path, record: dict | None) -> str | None:
+    """What eval's log and report say about an export it serves that is not proven (export/record.py)."""
+    if record is None:
+        note = (
+            f"head {name}: {path} has no export record (written elsewhere or by an older export): not checked"
+        )
+    elif not record["verified"]:
+        note = f"head {name}: {path} was not verified against the reference decoder ({record['note']})"
+    else:
+        return None
+    log.warning("%s", note)
+    return note
 
 
 def check_served_ks(head, path: Path, kind: str, fields: dict) -> None:

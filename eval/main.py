@@ -30,6 +30,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from artifacts.config import check_config, register_configs
+from artifacts.errors import stage_errors
 from artifacts.prompts import stop_token_ids
 from artifacts.run_lock import holds_run_dir
 from eval.economics import recommend
@@ -39,7 +40,7 @@ from eval.offline import offline_runs
 from eval.report import log_to_wandb, write_report
 from eval.results import add_comparisons, headline, headline_table, run_line
 from eval.server import ServerError
-from eval.workloads import workload_prompts
+from eval.workloads import shortfalls, workload_prompts
 from export.card import write_model_card
 from target.model import load_config, load_tokenizer, target_dir
 from target.reaper import leash
@@ -68,6 +69,11 @@ def evaluate_heads(cfg: DictConfig) -> dict:
         w.name: workload_prompts(w.source, tokenizer, run_dir / "cache", w.num_prompts)
         for w in cfg.eval.workloads
     }
+    notes = [c["note"] for c in configs if c.get("note")]
+    notes = list(dict.fromkeys(notes))  # one per head, not per k
+    for note in shortfalls(cfg.eval.workloads, prompts):
+        log.warning("%s", note)
+        notes.append(note)
     if cfg.eval.offline:
         # The reference decoder runs trained heads; vLLM's ngram drafter has no offline counterpart here.
         heads = [
@@ -108,6 +114,7 @@ def evaluate_heads(cfg: DictConfig) -> dict:
         "recommendations": recommendations,
         "headline": headline(runs, recommendations),
         "schedule_note": schedule_note,
+        "notes": notes,
     }
     paths = write_report(results, out_dir)
     for r in runs:
@@ -172,6 +179,7 @@ def machine() -> dict:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
+@stage_errors("eval")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -197,6 +197,7 @@ def render_report(results: dict, plots: dict[str, Path]) -> str:
         + (" (each workload per temperature: `chat T=1`)." if len(temperatures) > 1 else "."),
         "",
         LEGEND,
+        *(["", "## Notes", "", *(f"- {note}" for note in results["notes"])] if results.get("notes") else []),
         "",
         "## Runs",
     ]

@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from target.vllm import serve_argv, served_settings
+from target.vllm import root_cause, serve_argv, served_settings
 
 
 class ServerError(RuntimeError):
@@ -95,9 +95,10 @@ class VllmServer:
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
+                cause = root_cause(self.log_path) or f"log: {self.log_path}"
                 raise ServerError(
-                    f"vLLM server for {self.model} exited with code {code} before it was ready "
-                    f"(log: {self.log_path}):\n{log_tail(self.log_path)}"
+                    f"vLLM server for {self.model} exited with code {code} before it was ready; {cause}\n"
+                    f"The log's last lines:\n{log_tail(self.log_path)}"
                 )
             try:
                 http_get(f"{self.url}/health", timeout=2.0)

@@ -125,3 +125,13 @@ def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) 
     if not conversations:
         raise ValueError(f"workload {source!r} holds no prompts")
     return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations[:num_prompts]]
+
+
+def shortfalls(workloads, prompts: dict[str, list]) -> list[str]:
+    """A note for each workload that holds fewer prompts than it asked for (measured on what there is)."""
+    return [
+        f"workload {w.name}: {len(prompts[w.name])} {'conversations' if w.source == 'mtbench' else 'prompts'} "
+        f"measured, {w.num_prompts} asked (eval.workloads num_prompts): {w.source} holds no more"
+        for w in workloads
+        if len(prompts[w.name]) < w.num_prompts
+    ]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from artifacts import atomic
 from artifacts.config import dflash_trained_ks
+from export.record import RECORD
 from export.to_sglang import sglang_export, sglang_serve_command
 from export.to_vllm import speculative_config
 from heads.head_file import read_record
@@ -104,15 +105,23 @@ def eval_section(results: dict) -> list[str]:
 
 
 def write_model_card(
-    export_dir: Path, head_dir: Path, num_speculative_tokens: int, eval_results=None, serve_args=None
+    export_dir: Path,
+    head_dir: Path,
+    num_speculative_tokens: int,
+    eval_results=None,
+    serve_args=None,
+    served_dir: Path | None = None,
 ) -> Path:
     """README.md of an export from the files beside it (export runs this, and eval again with its results);
-    `serve_args`: the `vllm serve` flags eval serves with (`eval.server_args`), given in the serve command."""
+    `serve_args`: the `vllm serve` flags eval serves with (`eval.server_args`), given in the serve command;
+    `served_dir`: where the export is served from, when it is written elsewhere first (export's staging)."""
     export_config = json.loads((export_dir / "config.json").read_text())
     verification_file = export_dir / "verification.json"
     verification = json.loads(verification_file.read_text()) if verification_file.exists() else None
+    record_file = export_dir / RECORD
+    record = json.loads(record_file.read_text()) if record_file.exists() else {}
     card = model_card(
-        str(Path(export_dir).resolve()),
+        str(Path(served_dir or export_dir).resolve()),
         dict(serve_args or {}),
         read_record(head_dir).to_json(),
         export_config,
@@ -121,6 +130,8 @@ def write_model_card(
         num_speculative_tokens,
         verification,
         eval_results,
+        files_dir=export_dir,
+        unverified_note=None if record.get("verified", True) else record.get("note") or "not verified",
     )
     return atomic.write_text(export_dir / "README.md", card)
 
@@ -135,7 +146,10 @@ def model_card(
     num_speculative_tokens: int,
     verification: dict | None = None,
     eval_results: dict | None = None,
+    files_dir: Path | None = None,
+    unverified_note: str | None = None,
 ) -> str:
+    """The card's text; `export_dir` as served, `files_dir` where its files are read now (default: the same)."""
     kind, c = head_config["kind"], head_config["config"]
     target, cache = head_config["target"], head_config.get("cache", {})
     training = head_config.get("training", {})
@@ -164,7 +178,7 @@ def model_card(
         "```bash",
         printable_serve_command(served_settings(target_path, speculative, serve_args)),
         "```",
-        *sglang_section(export_config, target_path, export_dir, num_speculative_tokens),
+        *sglang_section(export_config, target_path, export_dir, num_speculative_tokens, files_dir),
         "",
         "## Head",
         "",
@@ -242,6 +256,14 @@ def model_card(
             "",
             "Not measured: the cache has no held-out split (data.eval_fraction=0).",
         ]
+    if unverified_note:
+        lines += [
+            "",
+            "## vLLM verification",
+            "",
+            f"**Not verified** ({unverified_note}): rerun export with "
+            "`export.verify=true` for the proof that vLLM drafts this head as trained.",
+        ]
     if verification:
         lines += ["", *verification_section(verification)]
     if eval_results:
@@ -249,14 +271,17 @@ def model_card(
     return "\n".join(lines) + "\n"
 
 
-def sglang_section(export_config: dict, target: str, export_dir: str, k: int) -> list[str]:
+def sglang_section(
+    export_config: dict, target: str, export_dir: str, k: int, files_dir: Path | None = None
+) -> list[str]:
     """SGLang's serve command, for an export SGLang loads (export.engine=sglang|both), with the EAGLE-2 tree
     settings the reference decoder estimated best (sglang_trees.json), else the chain of k drafts."""
-    served = sglang_export(export_dir, export_config)
+    files_dir = Path(files_dir or export_dir)
+    served = sglang_export(files_dir, export_config)
     if served is None:
         return []
-    sglang_dir, algorithm = served
-    trees_file = Path(export_dir) / "sglang_trees.json"
+    sglang_dir, algorithm = Path(export_dir) / served[0].relative_to(files_dir), served[1]
+    trees_file = files_dir / "sglang_trees.json"
     settings, served_as = (k, 1, k + 1), "here as the chain of k drafts verified above"
     if trees_file.exists():
         trees = json.loads(trees_file.read_text())

@@ -5,7 +5,9 @@
     python export/main.py experiment=smoke run_dir=/tmp/smoke export.verify=true
 
 Reads <run_dir>/draft_head (train) and the target; writes <run_dir>/export/ with config.json and
-model.safetensors (what vLLM reads), README.md (the model card) and, when verified, verification.json.
+model.safetensors (what vLLM reads), README.md (the model card), export_record.json (checksums, verified or
+not: export/record.py) and, when verified, verification.json - built and verified in
+<run_dir>/export.unverified/ and swapped in together only when verification passed (or was not asked for).
 The format is decided in export/to_vllm.py, the proof in export/verify.py (reference decoder:
 heads/reference_decoder.py). Serve the result with
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "<run_dir>/export", ...}'
@@ -22,9 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from artifacts import atomic
 from artifacts.config import check_config, refuse, register_configs
+from artifacts.errors import stage_errors
 from artifacts.prompts import held_out_prompts, stop_token_ids
 from artifacts.run_lock import holds_run_dir
 from export.card import write_model_card
+from export.record import record_export, unproven_dir
 from export.sglang_trees import run_trees
 from export.to_sglang import for_sglang
 from export.to_vllm import export_format, export_head
@@ -70,9 +74,13 @@ def run(cfg: DictConfig) -> dict:
             recorded[:12],
             target_path,
         )
+    # Built and verified beside the export, swapped in whole only when proven (export/record.py): a failed
+    # or killed verification leaves the previous export, card and proof as they were.
+    atomic.recover_dir(out_dir)
+    staging = unproven_dir(out_dir)
     export_head(
         head_dir,
-        out_dir,
+        staging,
         target_config,
         cfg.export.dtype,
         cfg.export.format,
@@ -82,7 +90,7 @@ def run(cfg: DictConfig) -> dict:
         engine=cfg.export.engine,
     )
     fmt = export_format(record.kind, cfg.export.format)
-    log.info("exported %s (%s, %s format, %s)", out_dir, record.kind, fmt, cfg.export.dtype)
+    log.info("exported %s (%s, %s format, %s)", staging, record.kind, fmt, cfg.export.dtype)
 
     verification, failure = None, None
     if cfg.export.verify or for_sglang(cfg.export.engine):
@@ -94,7 +102,7 @@ def run(cfg: DictConfig) -> dict:
                 verification = verify_export(
                     target_path,
                     head_dir,
-                    out_dir,
+                    staging,
                     record.kind,
                     prompts,
                     stop_token_ids(tokenizer, target_path),
@@ -104,30 +112,44 @@ def run(cfg: DictConfig) -> dict:
                     cfg.export.verify_dtype,
                     cfg.export.dtype,
                     OmegaConf.to_container(cfg.export.vllm_kwargs, resolve=True),
+                    log_path=run_dir / "logs" / f"{out_dir.name}_verify.log",
                 )
         except VerificationError as error:
             verification, failure = error.report, error
         if verification is not None:
-            atomic.write_json(out_dir / "verification.json", verification)
+            atomic.write_json(staging / "verification.json", verification)
 
     if for_sglang(cfg.export.engine):  # SGLang's tree settings, estimated by the reference decoder
-        run_trees(cfg, head_dir, out_dir / "sglang_trees.json", tokenizer, prompts)
+        run_trees(cfg, head_dir, staging / "sglang_trees.json", tokenizer, prompts)
 
     eval_file = run_dir / "eval" / "results.json"
     eval_results = json.loads(eval_file.read_text()) if eval_file.exists() else None
+    if not cfg.export.verify:
+        note = "export.verify=false: vLLM's acceptance was not compared with the reference decoder's"
+    else:
+        note = "" if failure is None else f"verification failed: {str(failure).splitlines()[0]}"
+    record_export(staging, verified=cfg.export.verify and failure is None, note=note)
     write_model_card(
-        out_dir,
+        staging,
         head_dir,
         cfg.export.num_speculative_tokens,
         eval_results,
         OmegaConf.to_container(cfg.eval.server_args, resolve=True),
+        served_dir=out_dir,
     )
     if failure is not None:
-        raise failure
+        kept = f"{out_dir} is unchanged" if out_dir.exists() else f"nothing was published at {out_dir}"
+        raise VerificationError(
+            f"{failure}\n{kept}; the unproven export, with its card and verification.json, is at {staging}",
+            failure.report,
+        )
+    atomic.finish_publish(staging, out_dir)
+    log.info("published %s (%s)", out_dir, "verified" if cfg.export.verify else "not verified")
     return {"export_dir": str(out_dir), "verification": verification}
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
+@stage_errors("export")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

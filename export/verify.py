@@ -206,8 +206,10 @@ def verify_export(
     dtype: str = "float32",
     export_dtype: str = "bfloat16",
     vllm_kwargs: dict | None = None,
+    log_path: Path | None = None,
 ) -> dict:
-    """Run both decoders; returns the report, or raises VerificationError with it in the message."""
+    """Run both decoders; returns the report, or raises VerificationError with it in the message.
+    `log_path`: vLLM's log (default <export_dir>/../logs/<export name>_verify.log)."""
     import vllm
 
     if not prompts:
@@ -215,7 +217,8 @@ def verify_export(
     from target.vllm import vllm_log_file
 
     start = time.perf_counter()
-    with vllm_log_file(export_dir.parent / "logs" / f"{export_dir.name}_verify.log") as log_path:
+    log_path = log_path or export_dir.parent / "logs" / f"{export_dir.name}_verify.log"
+    with vllm_log_file(log_path) as log_path:
         served_outputs, served = vllm_acceptance(
             target_dir,
             export_dir,

@@ -23,7 +23,8 @@ The logs: vLLM's own lines go to a file, so the console keeps the pipeline's pro
 vLLM configures its `vllm` logger when it is imported, and each engine-core process it spawns does the same
 from `VLLM_LOGGING_CONFIG_PATH`. Inside `vllm_log_file(path)` both write INFO and above to `path`: this
 process by swapping the logger's handlers, the engine processes through the variable they inherit. On an
-error the log's path is printed, so the cause is one `tail` away.
+error the log's path is printed and the root cause found in it (`root_cause`: vLLM's own error says only
+"See root cause above") is added to the error's message.
 
     with vllm_log_file(run_dir / "logs" / "export_verify.log"):
         llm = vllm.LLM(**llm_kwargs(settings))
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping
@@ -241,6 +243,12 @@ def vllm_log_file(path: Path):
     logger.setLevel(logging.INFO)
     try:
         yield path
+    except RuntimeError as error:  # vLLM's engine errors; the pipeline's own error types pass unchanged
+        print(f"vLLM's log: {path}", file=sys.stderr, flush=True)
+        cause = root_cause(path)
+        if type(error) is RuntimeError and cause and cause not in str(error):
+            raise RuntimeError(f"{error}\n{cause}") from error
+        raise
     except BaseException:
         print(f"vLLM's log: {path}", file=sys.stderr, flush=True)
         raise
@@ -252,3 +260,30 @@ def vllm_log_file(path: Path):
             os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
         else:
             os.environ["VLLM_LOGGING_CONFIG_PATH"] = previous_env
+
+
+# The last line of a traceback (`pkg.SomeError: message`), wherever a log prefix puts it.
+EXCEPTION_LINE = re.compile(r"((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::.*)?)$")
+# vLLM's errors that only point at the cause: "Engine core initialization failed. See root cause above."
+POINTERS = ("See root cause above", "Engine core initialization failed", "EngineDeadError")
+DISK_FULL = "No space left on device"
+
+
+def root_cause(log_path: Path) -> str | None:
+    """The first error in a vLLM log that is not vLLM pointing at it, with the log's path and what to do
+    where the cause is a full disk; None when the log names none."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if DISK_FULL in line:
+            return (
+                f"root cause (vLLM's log {log_path}): {line.strip()} - free space on that disk, then rerun "
+                "the same command: it resumes from what it finished"
+            )
+    for line in lines:
+        match = EXCEPTION_LINE.search(line.strip())
+        if match and not any(pointer in match.group(1) for pointer in POINTERS):
+            return f"root cause (vLLM's log {log_path}): {match.group(1)}"
+    return None

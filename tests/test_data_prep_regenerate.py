@@ -60,6 +60,13 @@ def test_answers_are_the_targets_own_greedy_answers(regen_run, tmp_path):
     assert read_manifest(run_dir / "cache")["regeneration_record"] == record
 
 
+def one_process():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_processes=1, process_index=0, is_main_process=True,
+                           device=SimpleNamespace(type="cpu"), wait_for_everyone=lambda: None)  # fmt: skip
+
+
 def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeypatch):
     # The resume logic alone (no engine): chunk 1 fails the first time; the rerun redoes only chunk 1.
     from types import SimpleNamespace
@@ -81,8 +88,7 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
 
     monkeypatch.setattr(regenerate, "start_engine", lambda *args: object())
     monkeypatch.setattr(regenerate, "regenerate_conversations", fake_regenerate)
-    accelerator = SimpleNamespace(num_processes=1, process_index=0, device=SimpleNamespace(type="cpu"),
-                                  wait_for_everyone=lambda: None)  # fmt: skip
+    accelerator = one_process()
     conversations = [
         Conversation(f"c{i}", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
         for i in range(5)
@@ -99,3 +105,73 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
     assert all(c.messages[-1]["content"] == "ok" for c in new)
     assert record["finish_stop"] == 5 and len(record["files"]) == 3
     assert shards is None  # no capture: the states are not in the chunks
+
+
+def test_another_batch_size_regenerates_chunks_it_changes_and_removes_stale_files(tmp_path, monkeypatch):
+    # 20 conversations in chunks of 16 and then 17 are both 2 chunks with the same file names: the second
+    # run must not take chunk 0 of 16 conversations for chunk 0 of 17 (conversation c16 would be lost).
+    from types import SimpleNamespace
+
+    from data_prep import regenerate
+    from data_prep.sources import Conversation
+
+    calls = []
+
+    def fake_regenerate(llm, tokenizer, conversations, cfg):
+        calls.append(len(conversations))
+        answered = [Conversation(c.id, c.messages[:1] + [{"role": "assistant", "content": "ok"}])
+                    for c in conversations]  # fmt: skip
+        return answered, {"finish_stop": len(conversations)}
+
+    monkeypatch.setattr(regenerate, "start_engine", lambda *args: object())
+    monkeypatch.setattr(regenerate, "regenerate_conversations", fake_regenerate)
+    conversations = [
+        Conversation(f"c{i}", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+        for i in range(20)
+    ]
+
+    def regenerate_in(batch_size):
+        cfg = SimpleNamespace(batch_size=batch_size)
+        new, _, _ = regenerate.regenerate_rank_share(conversations, None, "t", cfg, tmp_path, one_process())
+        return [c.id for c in new]
+
+    assert regenerate_in(16) == [c.id for c in conversations] and calls == [16, 4]
+    assert regenerate_in(17) == [c.id for c in conversations] and calls[2:] == [17, 3]
+    assert regenerate_in(17) == [c.id for c in conversations] and calls[4:] == []  # all reused
+    assert regenerate_in(8) == [c.id for c in conversations] and calls[4:] == [8, 8, 4]
+    assert sorted(p.name for p in tmp_path.glob("chunk-*")) == [
+        f"chunk-0000{i}-of-00003.json" for i in range(3)
+    ]
+
+
+def test_a_record_the_template_rejects_is_skipped_and_counted(tmp_path):
+    from types import SimpleNamespace
+
+    from artifacts.smoke import build_tokenizer
+    from data_prep.regenerate import regenerate_conversations
+    from data_prep.sources import Conversation
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if 'forbidden' in m['content'] %}{{ raise_exception('no') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+    class Engine:  # vLLM's LLM as regeneration uses it: answers "fine" to every prompt
+        llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))
+
+        def generate(self, prompts, params, use_tqdm=False):
+            done = SimpleNamespace(text="fine", finish_reason="stop", token_ids=[1])
+            return [SimpleNamespace(outputs=[done]) for _ in prompts]
+
+    def conversation(i, second):
+        turns = [("user", "hello"), ("assistant", "hi"), ("user", second), ("assistant", "ok")]
+        return Conversation(f"c{i}", [{"role": r, "content": c} for r, c in turns])
+
+    conversations = [conversation(0, "how are you"), conversation(1, "a forbidden question"),
+                     conversation(2, "bye")]  # fmt: skip
+    cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=8)
+    new, counts = regenerate_conversations(Engine(), tokenizer, conversations, cfg)
+    assert [c.id for c in new] == ["c0", "c2"] and counts["template_error"] == 1
+    assert all([m["content"] for m in c.messages if m["role"] == "assistant"] == ["fine"] * 2 for c in new)

@@ -159,3 +159,33 @@ def test_template_that_raises_is_skipped_and_counted():
 
     samples, skipped, _ = render_all(tokenizer, [Conv()], max_length=100, overlong="truncate")
     assert samples == [] and skipped["template_error"] == 1
+
+
+# Qwen3's way: an assistant turn before the last user message is rendered without its reasoning.
+THINKING_TEMPLATE = (
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% set content = m['content'] %}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}{{ content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_drops_past_reasoning_masks_each_answer_as_it_renders_it():
+    tokenizer = make_tokenizer(THINKING_TEMPLATE, ["<|im_start|>", "<|im_end|>"], None, "<|im_end|>")
+    messages = [
+        CONVERSATION[1],
+        {"role": "assistant", "content": "<think>\nFrance: Paris.\n</think>\n\nParis."},
+        CONVERSATION[3],
+        {"role": "assistant", "content": "<think>\nItaly.\n</think>\n\nRome."},
+    ]
+    sample = render_conversation(tokenizer, "c0", messages)
+    assert masked_pieces(tokenizer, sample) == [
+        "Paris.<|im_end|>",
+        "<think>\nItaly.\n</think>\n\nRome.<|im_end|>",
+    ]
+    # Regeneration's prompt for the second turn: the first answer as the whole conversation renders it.
+    prompt = render_conversation(tokenizer, "c0", messages[:3], add_generation_prompt=True)
+    assert masked_pieces(tokenizer, prompt) == ["Paris.<|im_end|>"]
+    assert "France: Paris" not in tokenizer.decode(prompt.input_ids)

@@ -348,12 +348,14 @@ def test_corrupt_jsonl_lines_are_skipped_and_reported(tmp_path):
         '{"id": "b", "conversations": [',
         json.dumps(qa("c")),
         json.dumps(qa("d"))[:30],
+        '{"id": "e", "conversations": "unterminated',
     ]
     path.write_text("\n".join(lines))
     loaded = load(path)
     assert [c.id for c in loaded.conversations] == ["a", "c"]
-    assert loaded.skipped == collections.Counter({"corrupt_json": 2})
-    assert [p.split(": ")[:2] for p in loaded.problems] == [[str(path), "line 2"], [str(path), "line 4"]]
+    assert loaded.skipped == collections.Counter({"corrupt_json": 3})
+    assert [p.split(", column")[0] for p in loaded.problems] == [f"{path}: line {n}" for n in (2, 4, 5)]
+    assert loaded.problems[2].endswith(": Unterminated string starting")  # json's message ends in "at"
 
 
 def test_strict_raises_instead_of_skipping(tmp_path):

@@ -79,7 +79,8 @@ def test_the_second_turn_holds_the_first_question_the_answer_and_the_second_ques
 
 class FakeServer:
     """/v1/completions streaming `Answer <n>.` to request n (in 3 chunks, a pause before the last) and
-    HTTP 500 to a prompt holding `please fail`; it logs when each request arrives and is answered."""
+    HTTP 500 to a prompt holding `please fail`, a complete stream without text to one holding `say nothing`
+    but not `say something` (the model ending at once); it logs when each request arrives and is answered."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.events, self.prompts = tokenizer, [], []
@@ -96,12 +97,14 @@ class FakeServer:
             return web.Response(status=500, text="refused")
         response = web.StreamResponse()
         await response.prepare(request)
-        for piece in ["Answer", f" {n}", "."]:
+        text = self.tokenizer.decode(payload["prompt"])
+        silent = "say nothing" in text and "say something" not in text
+        for piece in [] if silent else ["Answer", f" {n}", "."]:
             await asyncio.sleep(0.05 if piece == "." else 0)
             if piece == ".":
                 self.events.append(("answered", n))  # before the client can have read the answer
             await response.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
-        usage = {"choices": [], "usage": {"completion_tokens": 3}}
+        usage = {"choices": [], "usage": {"completion_tokens": 1 if silent else 3}}
         await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         await response.write_eof()
         return response
@@ -155,6 +158,17 @@ def test_a_turn_after_a_failed_one_is_not_sent_and_counts_as_failed(tokenizer):
     assert results[0].error.startswith("HTTP 500") and "not sent" in results[1].error
     summary = summarize(results, duration)
     assert summary["num_requests"] == 2 and summary["num_failed"] == 2
+
+
+def test_an_empty_answer_is_an_answer_and_the_conversation_goes_on(tokenizer):
+    conversation = Conversation("x", ("Please say nothing.", "Then say something."), tokenizer)
+    server = FakeServer(tokenizer)
+    results, duration = asyncio.run(server.run([conversation], concurrency=1))
+    assert len(server.prompts) == 2 and server.prompts[1] == conversation.prompt([""])
+    assert [r.ok for r in results] == [True, True] and results[0].empty and results[0].text == ""
+    assert results[1].text == "Answer 1."
+    summary = summarize(results, duration)
+    assert summary["num_failed"] == 0 and summary["num_empty"] == 1 and summary["output_tokens"] == 4
 
 
 def test_offline_decoding_asks_each_turn_from_the_decoded_answers(tokenizer):

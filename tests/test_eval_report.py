@@ -282,3 +282,24 @@ def test_wandb_offline_run_holds_the_report(report, tmp_path, monkeypatch):
     for rec in results["recommendations"]:
         assert summary[f"{rec['workload']}/{rec['head']}/best_k"] == rec["best_k"]
         assert summary[f"{rec['workload']}/{rec['head']}/enable"] == rec["enable"]
+
+
+def test_the_report_notes_what_was_not_as_asked(report, tmp_path):
+    from types import SimpleNamespace
+
+    from eval.workloads import shortfalls
+
+    workloads = [SimpleNamespace(name="chat", source="chat", num_prompts=10),
+                 SimpleNamespace(name="mtbench", source="mtbench", num_prompts=1000),
+                 SimpleNamespace(name="code", source="code", num_prompts=4)]  # fmt: skip
+    notes = shortfalls(workloads, {"chat": [1] * 5, "mtbench": [1] * 80, "code": [1] * 4})
+    assert notes == [
+        "workload chat: 5 prompts measured, 10 asked (eval.workloads num_prompts): chat holds no more",
+        "workload mtbench: 80 conversations measured, 1000 asked (eval.workloads num_prompts): mtbench holds "
+        "no more",
+    ]
+    results = {**synthetic_results(), "notes": [*notes, "head h: /x/export was not verified (why)"]}
+    write_report(results, tmp_path)
+    text = section((tmp_path / "report.md").read_text(), "## Notes")
+    assert all(f"- {note}" in text for note in results["notes"])
+    assert "## Notes" not in report[2]  # none without notes

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from artifacts.prompts import stop_token_ids
 from export.main import run as export
 from export.main import verification_prompts
+from export.record import RECORD
 from export.to_vllm import export_head, read_export
 from export.verify import VerificationError, verify_export
 from heads.head_file import read_record
@@ -173,13 +174,14 @@ def test_export_stage_writes_the_model_card(trained_run):
     result = export(smoke_config(trained_run, "export.out_dir=" + str(trained_run / "card")))
     out = trained_run / "card"
     assert result == {"export_dir": str(out), "verification": None}
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md", RECORD}
+    assert not (trained_run / "card.unverified").exists()
     card = (out / "README.md").read_text()
     head_config = json.loads((trained_run / "draft_head" / "draft_config.json").read_text())
     assert head_config["target"]["hash"] in card and "| optimizer steps | 8 |" in card
     assert f"{head_config['training']['held_out']['eval/acc_0']:.4g}" in card
     assert '--speculative-config \'{"method": "eagle3"' in card
-    assert "vLLM verification" not in card  # not verified: no claim
+    assert "**Not verified** (export.verify=false" in card and "Parity" not in card  # no claim
 
 
 def test_export_stage_names_a_missing_head(tmp_path):

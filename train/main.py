@@ -33,6 +33,7 @@ from tqdm import tqdm
 from artifacts import atomic
 from artifacts.cache import CacheSplit
 from artifacts.config import check_config, register_configs
+from artifacts.errors import stage_errors
 from artifacts.manifest import read_manifest
 from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import load_vocab_map
@@ -304,6 +305,7 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
+@stage_errors("train")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -1,0 +1,49 @@
+"""What a stage's command prints when it stops for a reason outside the code: one line that names the cause,
+the file, and what to do - not a traceback. Interrupts (Ctrl-C; SIGTERM and SIGHUP, which the stages turn
+into one: target/reaper.py), a directory it may not write, a full disk. Every other error keeps its
+traceback.
+
+    @hydra.main(config_path="../conf", config_name="config", version_base=None)
+    @stage_errors("data_prep")
+    def main(cfg): run(cfg)
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import sys
+
+RESUMES = "rerun the same command: it resumes from what it finished"
+
+
+def explain(stage: str, error: BaseException) -> str | None:
+    """The one line for `error`, or None for an error that keeps its traceback."""
+    if isinstance(error, KeyboardInterrupt):
+        return f"{stage}: interrupted; {RESUMES}"
+    if isinstance(error, PermissionError):
+        return (
+            f"{stage}: may not write {error.filename} ({error.strerror}): choose a run_dir (or cache.dir, "
+            "export.out_dir, eval.out_dir) this user can write, or fix the permissions"
+        )
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return f"{stage}: no space left on the disk of {error.filename or 'the run directory'}: free space, then {RESUMES}"
+    return None
+
+
+def stage_errors(stage: str):
+    def wrap(main):
+        @functools.wraps(main)
+        def guarded(*args, **kwargs):
+            try:
+                return main(*args, **kwargs)
+            except (KeyboardInterrupt, OSError) as error:
+                line = explain(stage, error)
+                if line is None:
+                    raise
+                print(line, file=sys.stderr, flush=True)
+                sys.exit(130 if isinstance(error, KeyboardInterrupt) else 1)
+
+        return guarded
+
+    return wrap

@@ -1,0 +1,120 @@
+"""Export publishes only what it has proven (export/record.py): built and verified in <export>.unverified/,
+swapped in with its card, proof and record together; a failed or killed verification leaves the previous
+export as it was. eval checks every export it serves - files, checksums, readable weights - before any
+server starts, and says when one was not verified. Verification itself is stood in for here (its vLLM
+runs are tests/test_export_vllm.py)."""
+
+import json
+import shutil
+
+import pytest
+from transformers import AutoConfig
+
+import export.main as export_main
+from export.record import RECORD, check_export, unproven_dir
+from export.verify import VerificationError
+from tests.helpers import smoke_config
+from train.main import run as train
+
+
+@pytest.fixture(scope="module")
+def head_run(smoke_run, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("publish") / "run"
+    shutil.copytree(smoke_run, run_dir)
+    train(smoke_config(run_dir, "train.eval_every=0", "train.num_threads=1", "train.max_steps=4"))
+    return run_dir
+
+
+def published(run_dir, tmp_path, *overrides):
+    """A copy of the run with an unverified export published; (run_dir, {file: bytes} of that export)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    export_main.run(smoke_config(copy, "export.format=plain", *overrides))
+    export_dir = copy / "export"
+    return copy, {p.name: p.read_bytes() for p in export_dir.iterdir()}
+
+
+def stand_in_verification(outcome):
+    def verify(target, head_dir, export_dir, *args, **kwargs):
+        assert export_dir.name == "export.unverified"  # verified where it was built, not where it is served
+        if outcome == "kill":
+            raise KeyboardInterrupt
+        counts = {"mean_acceptance_length": 1.5, "draft_acceptance_rate": 0.2, "num_drafts": 10,
+                  "per_position_acceptance": [0.4, 0.1, 0.1]}  # fmt: skip
+        report = {
+            "parity": {"passed": False, "mean_acceptance_length_relative_gap": 0.3, "tolerance": 0.02},
+            "reference": counts, "vllm": {**counts, "mean_acceptance_length": 1.05}, "vllm_version": "x",
+            "num_prompts": 2, "num_identical_outputs": 0, "num_speculative_tokens": 3, "max_new_tokens": 8,
+            "dtype": "float32", "stand_in": True,
+        }  # fmt: skip
+        raise VerificationError("vLLM's acceptance differs from the reference decoder's", report)
+
+    return verify
+
+
+@pytest.mark.parametrize("outcome", ["fail", "kill"])
+def test_a_failed_or_killed_verification_leaves_the_previous_export_as_it_was(
+    head_run, tmp_path, monkeypatch, outcome
+):
+    run_dir, before = published(head_run, tmp_path)
+    monkeypatch.setattr(export_main, "verify_export", stand_in_verification(outcome))
+    error = VerificationError if outcome == "fail" else KeyboardInterrupt
+    with pytest.raises(error) as raised:
+        # another format, so that a mix of the two would show
+        export_main.run(smoke_config(run_dir, "export.format=speculators", "export.verify=true"))
+    export_dir, staging = run_dir / "export", unproven_dir(run_dir / "export")
+    assert {p.name: p.read_bytes() for p in export_dir.iterdir()} == before
+    assert "speculators_model_type" in json.loads((staging / "config.json").read_text())
+    if outcome == "fail":
+        assert f"{export_dir} is unchanged" in str(raised.value) and str(staging) in str(raised.value)
+        assert json.loads((staging / "verification.json").read_text())["stand_in"]
+        assert not json.loads((staging / RECORD).read_text())["verified"]
+    # The next successful export replaces both.
+    export_main.run(smoke_config(run_dir, "export.format=speculators"))
+    assert not staging.exists() and "speculators_model_type" in (export_dir / "config.json").read_text()
+
+
+def test_an_export_not_verified_says_so_in_its_card_and_record_and_eval_notes_it(head_run, tmp_path, caplog):
+    from eval.grid import server_configs
+
+    run_dir, files = published(head_run, tmp_path)
+    record = json.loads(files[RECORD])
+    assert record["verified"] is False and "export.verify=false" in record["note"]
+    assert set(record["files"]) == {"config.json", "model.safetensors"}
+    assert "**Not verified** (export.verify=false" in files["README.md"].decode()
+    target_config = AutoConfig.from_pretrained(run_dir / "smoke_target")
+    configs = server_configs(smoke_config(run_dir), run_dir, target_config)
+    notes = {c["note"] for c in configs if c["head"]}
+    assert len(notes) == 1 and "was not verified against the reference decoder" in notes.pop()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "changed", "missing"])
+def test_eval_refuses_a_damaged_export_naming_the_file_before_any_server(head_run, tmp_path, damage):
+    from eval.grid import server_configs
+
+    run_dir, _ = published(head_run, tmp_path)
+    weights = run_dir / "export" / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "changed":
+        weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        weights.unlink()
+    message = {"truncated": "changed since export", "changed": "sha256 differs", "missing": "missing from"}
+    target_config = AutoConfig.from_pretrained(run_dir / "smoke_target")
+    with pytest.raises(ValueError, match=message[damage]) as raised:
+        server_configs(smoke_config(run_dir), run_dir, target_config)
+    assert str(weights) in str(raised.value)
+
+
+def test_an_export_without_a_record_still_has_its_weights_opened(head_run, tmp_path):
+    run_dir, _ = published(head_run, tmp_path)
+    export_dir = run_dir / "export"
+    (export_dir / RECORD).unlink()  # written by another trainer, or before records
+    assert check_export(export_dir) is None
+    weights = export_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a readable safetensors file") as raised:
+        check_export(export_dir)
+    assert str(weights) in str(raised.value)

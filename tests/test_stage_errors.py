@@ -1,0 +1,119 @@
+"""Every failure says its cause: vLLM's root cause quoted from its log (the engine's own error says only "See
+root cause above"), a full disk with what to do, an unwritable directory or an interrupt as one line
+instead of a traceback (artifacts/errors.py), and a render.max_length that leaves nothing named."""
+
+import errno
+import subprocess
+import sys
+
+import pytest
+
+from artifacts.errors import stage_errors
+from eval.server import ServerError, VllmServer
+from target.vllm import root_cause, vllm_log_file
+from tests.helpers import REPO, smoke_config
+
+ENGINE_FAILURE = """INFO 11-26 [core.py:90] Initializing a V1 LLM engine
+(EngineCore_DP0 pid=123) ERROR 11-26 [core.py:700] EngineCore failed to start.
+(EngineCore_DP0 pid=123) Traceback (most recent call last):
+(EngineCore_DP0 pid=123)   File "weight_utils.py", line 500, in safetensors_weights_iterator
+(EngineCore_DP0 pid=123) safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata
+Traceback (most recent call last):
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_the_root_cause_is_the_first_error_that_is_not_vllm_pointing_at_it(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text(ENGINE_FAILURE)
+    assert root_cause(log) == (
+        f"root cause (vLLM's log {log}): safetensors_rust.SafetensorError: Error while deserializing header: "
+        "incomplete metadata"
+    )
+    log.write_text(
+        ENGINE_FAILURE.replace(
+            "safetensors_rust.SafetensorError", "OSError: [Errno 28] No space left on device"
+        )
+    )
+    assert "No space left on device" in root_cause(log) and "rerun the same command" in root_cause(log)
+    log.write_text("INFO all fine\nRuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert root_cause(log) is None and root_cause(tmp_path / "absent.log") is None
+
+
+def test_an_engine_error_inside_the_log_file_carries_its_root_cause(tmp_path):
+    log = tmp_path / "logs" / "capture.log"
+    with pytest.raises(RuntimeError) as raised, vllm_log_file(log):
+        log.write_text(
+            ENGINE_FAILURE.replace(
+                "safetensors_rust.SafetensorError", "OSError: [Errno 28] No space left on device"
+            )
+        )
+        raise RuntimeError("conversation 'c1': vLLM's hidden-states file /x/c1.safetensors was not written")
+    message = str(raised.value)
+    assert message.startswith("conversation 'c1'") and "No space left on device" in message
+    assert str(log) in message and "it resumes from what it finished" in message
+
+
+def test_a_server_that_dies_is_reported_with_its_root_cause_and_log(tmp_path):
+    server = VllmServer("target", tmp_path / "server.log", startup_timeout_s=60)
+    script = f"import sys; sys.stdout.write({ENGINE_FAILURE!r}); sys.exit(1)"
+    server.command = [sys.executable, "-c", script]
+    with pytest.raises(ServerError) as raised:
+        server.start()
+    message = str(raised.value).splitlines()[0]
+    assert "exited with code 1" in message and "SafetensorError: Error while deserializing header" in message
+    assert str(tmp_path / "server.log") in message
+
+
+@pytest.mark.parametrize(
+    "error, code, line",
+    [
+        (KeyboardInterrupt(), 130, "data_prep: interrupted; rerun the same command: it resumes"),
+        (
+            PermissionError(errno.EACCES, "Permission denied", "/runs/x/cache"),
+            1,
+            "may not write /runs/x/cache",
+        ),
+        (OSError(errno.ENOSPC, "No space left on device", "/runs/x/cache/shard.tmp"), 1, "no space left"),
+    ],
+)
+def test_a_stage_stopped_from_outside_says_so_in_one_line(error, code, line, capsys):
+    @stage_errors("data_prep")
+    def main():
+        raise error
+
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == code
+    err = capsys.readouterr().err
+    assert line in err and len(err.strip().splitlines()) == 1
+
+
+def test_other_errors_keep_their_traceback():
+    @stage_errors("train")
+    def main():
+        raise FileNotFoundError(errno.ENOENT, "No such file", "/x")
+
+    with pytest.raises(FileNotFoundError):
+        main()
+
+
+def test_a_run_dir_the_stage_may_not_write_is_one_line(subprocess_env):
+    run_dir = "/sys/eagle_cannot_write_here"  # refused even to root
+    done = subprocess.run(
+        [sys.executable, "data_prep/main.py", "experiment=smoke", f"run_dir={run_dir}"],
+        cwd=REPO, env=subprocess_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert f"data_prep: may not write {run_dir}" in done.stderr and "choose a run_dir" in done.stderr
+
+
+def test_a_max_length_that_leaves_nothing_names_the_setting(smoke_target_dir, tmp_path):
+    import shutil
+
+    from data_prep.main import run
+
+    shutil.copytree(smoke_target_dir, tmp_path / "smoke_target")
+    with pytest.raises(ValueError, match=r"within render.max_length=1 .*raise render.max_length"):
+        run(smoke_config(tmp_path, "render.max_length=1"))
