@@ -334,8 +334,12 @@ class ExportConfig:
     # EAGLE-3: speculators | plain; an EAGLE-1 head is always a plain Llama
     format: str = checked("speculators", one_of("speculators", "plain"))
     # the engines that load the export as it is: vllm | sglang | both (sglang, both: an EAGLE-3 plain export
-    # with SGLang's eagle_config, one directory for both engines: export/to_sglang.py, docs/sglang.md)
+    # with SGLang's eagle_config, one directory for both engines; EAGLE-1: SGLang's directory inside vLLM's:
+    # export/to_sglang.py, docs/sglang.md)
     engine: str = checked("vllm", one_of("vllm", "sglang", "both"))
+    # sglang, both: estimate SGLang's EAGLE-2 tree settings on the verification prompts for the card
+    # (export/sglang_trees.py: a target and head decode per prompt; false: the card gives the chain of k)
+    sglang_trees: bool = True
     dtype: str = checked("bfloat16", DTYPE)  # weight dtype written: bfloat16 | float16 | float32
     # k written into the speculators config and decoded by verify
     num_speculative_tokens: int = checked(3, POSITIVE)

@@ -93,7 +93,8 @@ def run(cfg: DictConfig) -> dict:
     log.info("exported %s (%s, %s format, %s)", staging, record.kind, fmt, cfg.export.dtype)
 
     verification, failure = None, None
-    if cfg.export.verify or for_sglang(cfg.export.engine):
+    trees = for_sglang(cfg.export.engine) and cfg.export.sglang_trees
+    if cfg.export.verify or trees:
         tokenizer = load_tokenizer(cfg.target)
         prompts = verification_prompts(cfg, tokenizer, record, run_dir)
     if cfg.export.verify:
@@ -119,7 +120,7 @@ def run(cfg: DictConfig) -> dict:
         if verification is not None:
             atomic.write_json(staging / "verification.json", verification)
 
-    if for_sglang(cfg.export.engine):  # SGLang's tree settings, estimated by the reference decoder
+    if trees:  # SGLang's tree settings, estimated by the reference decoder
         run_trees(cfg, head_dir, staging / "sglang_trees.json", tokenizer, prompts)
 
     eval_file = run_dir / "eval" / "results.json"

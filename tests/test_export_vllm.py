@@ -228,9 +228,14 @@ def test_vllm_eagle1_export_loads_and_matches(regen_run, tmp_path_factory):
     """Exported for both engines: vLLM serves its directory with SGLang's inside (tests/test_export_sglang.py
     loads that one)."""
     run_dir = trained(regen_run, tmp_path_factory, "regen_e1", "head.kind=eagle1", experiment="smoke_regen")
-    overrides = ["head.kind=eagle1", "export.verify=true", "export.engine=both"]
+    overrides = ["head.kind=eagle1", "export.verify=true", "export.engine=both", "export.sglang_trees=false"]
     report = export(smoke_config(run_dir, *overrides, experiment="smoke_regen"))["verification"]
     assert (run_dir / "export" / "sglang" / "config.json").exists()
+    assert not (run_dir / "export" / "sglang_trees.json").exists()  # the card gives SGLang the chain of k
+    assert (
+        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+        in (run_dir / "export" / "README.md").read_text()
+    )
     assert report["vllm"]["num_drafts"] > 0 and report["parity"]["passed"]
     assert report["vllm"]["accepted_per_position"] == report["reference"]["accepted_per_position"]
 
