@@ -17,28 +17,30 @@ import sys
 RESUMES = "rerun the same command: it resumes from what it finished"
 
 
-def explain(stage: str, error: BaseException) -> str | None:
-    """The one line for `error`, or None for an error that keeps its traceback."""
+def explain(stage: str, error: BaseException, rerun: str = RESUMES) -> str | None:
+    """The one line for `error`, or None for an error that keeps its traceback; `rerun`: how the stage
+    continues. An interrupt that carries its own message (train's, after its checkpoint) keeps it."""
     if isinstance(error, KeyboardInterrupt):
-        return f"{stage}: interrupted; {RESUMES}"
+        return f"{stage}: {error}" if str(error) else f"{stage}: interrupted; {rerun}"
     if isinstance(error, PermissionError):
         return (
             f"{stage}: may not write {error.filename} ({error.strerror}): choose a run_dir (or cache.dir, "
             "export.out_dir, eval.out_dir) this user can write, or fix the permissions"
         )
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return f"{stage}: no space left on the disk of {error.filename or 'the run directory'}: free space, then {RESUMES}"
+        where = error.filename or "the run directory"
+        return f"{stage}: no space left on the disk of {where}: free space, then {rerun}"
     return None
 
 
-def stage_errors(stage: str):
+def stage_errors(stage: str, rerun: str = RESUMES):
     def wrap(main):
         @functools.wraps(main)
         def guarded(*args, **kwargs):
             try:
                 return main(*args, **kwargs)
             except (KeyboardInterrupt, OSError) as error:
-                line = explain(stage, error)
+                line = explain(stage, error, rerun)
                 if line is None:
                     raise
                 print(line, file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from eval.economics import tokens_per_verify
 from eval.main import run as evaluate
 from eval.server import ServerError, VllmServer
 from export.main import run as export
+from export.record import RECORD
 from target.reaper import record_path
 from tests.helpers import REPO, smoke_config
 
@@ -240,6 +241,7 @@ def test_a_head_for_another_target_is_refused_before_any_server(eval_run, tmp_pa
     config = json.loads((head / "config.json").read_text())
     config["transformer_layer_config"]["hidden_size"] = 512
     (head / "config.json").write_text(json.dumps(config))
+    (head / RECORD).unlink()  # edited by hand: its record would refuse it as changed, before this check
     cfg = smoke_config(
         eval_run,
         f"eval.heads=[{{name:x,path:{head}}}]",

@@ -70,6 +70,11 @@ def test_a_server_that_dies_is_reported_with_its_root_cause_and_log(tmp_path):
     [
         (KeyboardInterrupt(), 130, "data_prep: interrupted; rerun the same command: it resumes"),
         (
+            KeyboardInterrupt("stopped at step 3; checkpoint saved"),
+            130,
+            "data_prep: stopped at step 3; checkpoint",
+        ),
+        (
             PermissionError(errno.EACCES, "Permission denied", "/runs/x/cache"),
             1,
             "may not write /runs/x/cache",

@@ -307,7 +307,7 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
-@stage_errors("train")
+@stage_errors("train", rerun="rerun with train.resume=auto: it continues from the last checkpoint")
 def main(cfg: DictConfig) -> None:
     run(cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
