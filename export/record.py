@@ -9,9 +9,13 @@ for (export/main.py); a failed or killed verification leaves the previous export
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from artifacts import atomic
+from artifacts.cache import file_sha256
 
 RECORD = "export_record.json"
 SERVED_FILES = ("config.json", "model.safetensors")  # what an engine reads, per directory
@@ -22,24 +26,14 @@ def unproven_dir(out_dir: Path) -> Path:
     return Path(out_dir).with_name(Path(out_dir).name + ".unverified")
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def served_files(export_dir: Path) -> list[Path]:
     """The files engines read in `export_dir` (and in SGLang's directory inside it, if any)."""
     return sorted(p for p in Path(export_dir).rglob("*") if p.name in SERVED_FILES)
 
 
 def record_export(export_dir: Path, verified: bool, note: str = "") -> dict:
-    from artifacts import atomic
-
     files = {
-        str(p.relative_to(export_dir)): {"sha256": sha256(p), "bytes": p.stat().st_size}
+        str(p.relative_to(export_dir)): {"sha256": file_sha256(p), "bytes": p.stat().st_size}
         for p in served_files(export_dir)
     }
     record = {"verified": verified, "note": note, "files": files}
@@ -50,8 +44,6 @@ def record_export(export_dir: Path, verified: bool, note: str = "") -> dict:
 def check_export(export_dir: Path) -> dict | None:
     """Refuse, naming the file, an export whose files are missing, changed or unreadable; returns its record
     (None for an export written elsewhere, without one: then its weights are still opened)."""
-    from safetensors import SafetensorError, safe_open
-
     export_dir = Path(export_dir)
     unproven = unproven_dir(export_dir)
     if not (export_dir / "config.json").exists():
@@ -64,7 +56,7 @@ def check_export(export_dir: Path) -> dict | None:
         if not path.exists():
             raise ValueError(f"{path}: missing from the export ({record_file} lists it); rerun export")
         size = path.stat().st_size
-        if size != expected["bytes"] or sha256(path) != expected["sha256"]:
+        if size != expected["bytes"] or file_sha256(path) != expected["sha256"]:
             raise ValueError(
                 f"{path}: changed since export wrote it ({size} bytes, {expected['bytes']} recorded; sha256 "
                 f"differs from {record_file}); rerun export"
