@@ -67,7 +67,8 @@ def export_note(name: str, path: Path, record: dict | None) -> str | None:
     """What eval's log and report say about an export it serves that is not proven (export/record.py)."""
     if record is None:
         note = (
-            f"head {name}: {path} has no export record (written elsewhere or by an older export): not checked"
+            f"head {name}: {path} has no export record (written elsewhere or by an older export): its files "
+            "have no checksums to be checked against"
         )
     elif not record["verified"]:
         note = f"head {name}: {path} was not verified against the reference decoder ({record['note']})"

@@ -69,8 +69,7 @@ def evaluate_heads(cfg: DictConfig) -> dict:
         w.name: workload_prompts(w.source, tokenizer, run_dir / "cache", w.num_prompts)
         for w in cfg.eval.workloads
     }
-    notes = [c["note"] for c in configs if c.get("note")]
-    notes = list(dict.fromkeys(notes))  # one per head, not per k
+    notes = list(dict.fromkeys(c["note"] for c in configs if c.get("note")))  # one per head, not per k
     for note in shortfalls(cfg.eval.workloads, prompts):
         log.warning("%s", note)
         notes.append(note)

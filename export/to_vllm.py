@@ -316,15 +316,17 @@ def export_head(
     if record.trained_ks is not None:  # for eval and readers; vLLM and speculators ignore the key
         config[TRAINED_KS] = record.trained_ks
     with atomic.publish_dir(out_dir) as tmp:  # the old export stays whole until this one replaces it
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_engine_files(tmp, config, weights)
         if sglang is not None:  # EAGLE-1 for SGLang: a directory of its own (export/to_sglang.py)
-            (tmp / SGLANG_DIR).mkdir()
-            save_file(
-                {k: v.contiguous() for k, v in sglang[1].items()}, str(tmp / SGLANG_DIR / "model.safetensors")
-            )
-            (tmp / SGLANG_DIR / "config.json").write_text(json.dumps(sglang[0], indent=2) + "\n")
+            write_engine_files(tmp / SGLANG_DIR, *sglang)
     return out_dir
+
+
+def write_engine_files(directory: Path, config: dict, weights: dict[str, torch.Tensor]) -> None:
+    """config.json and model.safetensors, what an engine reads, into `directory` (created)."""
+    directory.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def check_head_fits_target(head_dir: Path, head_config: dict, target_config) -> None:

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from artifacts.errors import RESUMES
+
 # `vllm serve` through the running Python's module: the venv's vLLM, on every build.
 MODULE_ENTRY = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
 # Set by whoever starts a server (eval/server.py binds 127.0.0.1 and a free port), never by the user.
@@ -243,14 +245,12 @@ def vllm_log_file(path: Path):
     logger.setLevel(logging.INFO)
     try:
         yield path
-    except RuntimeError as error:  # vLLM's engine errors; the pipeline's own error types pass unchanged
+    except BaseException as error:
         print(f"vLLM's log: {path}", file=sys.stderr, flush=True)
-        cause = root_cause(path)
-        if type(error) is RuntimeError and cause and cause not in str(error):
+        # vLLM's engine errors (plain RuntimeErrors) gain the cause; the pipeline's own error types pass as they are
+        cause = root_cause(path) if type(error) is RuntimeError else None
+        if cause and cause not in str(error):
             raise RuntimeError(f"{error}\n{cause}") from error
-        raise
-    except BaseException:
-        print(f"vLLM's log: {path}", file=sys.stderr, flush=True)
         raise
     finally:
         logger.handlers, logger.propagate = previous[0], previous[1]
@@ -278,10 +278,7 @@ def root_cause(log_path: Path) -> str | None:
         return None
     for line in lines:
         if DISK_FULL in line:
-            return (
-                f"root cause (vLLM's log {log_path}): {line.strip()} - free space on that disk, then rerun "
-                "the same command: it resumes from what it finished"
-            )
+            return f"root cause (vLLM's log {log_path}): {line.strip()} - free space on that disk, then {RESUMES}"
     for line in lines:
         match = EXCEPTION_LINE.search(line.strip())
         if match and not any(pointer in match.group(1) for pointer in POINTERS):

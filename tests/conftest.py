@@ -29,6 +29,18 @@ def smoke_run(tmp_path_factory, smoke_target_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smoke_head(smoke_run, tmp_path_factory) -> Path:
+    """smoke_run plus an EAGLE-3 head trained 4 steps, for export tests that need a head, not a good one
+    (read-only; copy it to change it)."""
+    from train.main import run
+
+    run_dir = tmp_path_factory.mktemp("smoke_head") / "run"
+    shutil.copytree(smoke_run, run_dir)
+    run(smoke_config(run_dir, "train.eval_every=0", "train.num_threads=1", "train.max_steps=4"))
+    return run_dir
+
+
+@pytest.fixture(scope="session")
 def regen_run(tmp_path_factory, smoke_target_dir) -> Path:
     """A smoke cache whose answers the smoke target regenerated through vLLM (experiment=smoke_regen):
     data a head learns to draft well. Read-only, like smoke_run."""

@@ -14,15 +14,6 @@ import export.main as export_main
 from export.record import RECORD, check_export, unproven_dir
 from export.verify import VerificationError
 from tests.helpers import smoke_config
-from train.main import run as train
-
-
-@pytest.fixture(scope="module")
-def head_run(smoke_run, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("publish") / "run"
-    shutil.copytree(smoke_run, run_dir)
-    train(smoke_config(run_dir, "train.eval_every=0", "train.num_threads=1", "train.max_steps=4"))
-    return run_dir
 
 
 def published(run_dir, tmp_path, *overrides):
@@ -54,9 +45,9 @@ def stand_in_verification(outcome):
 
 @pytest.mark.parametrize("outcome", ["fail", "kill"])
 def test_a_failed_or_killed_verification_leaves_the_previous_export_as_it_was(
-    head_run, tmp_path, monkeypatch, outcome
+    smoke_head, tmp_path, monkeypatch, outcome
 ):
-    run_dir, before = published(head_run, tmp_path)
+    run_dir, before = published(smoke_head, tmp_path)
     monkeypatch.setattr(export_main, "verify_export", stand_in_verification(outcome))
     error = VerificationError if outcome == "fail" else KeyboardInterrupt
     with pytest.raises(error) as raised:
@@ -74,10 +65,12 @@ def test_a_failed_or_killed_verification_leaves_the_previous_export_as_it_was(
     assert not staging.exists() and "speculators_model_type" in (export_dir / "config.json").read_text()
 
 
-def test_an_export_not_verified_says_so_in_its_card_and_record_and_eval_notes_it(head_run, tmp_path, caplog):
+def test_an_export_not_verified_says_so_in_its_card_and_record_and_eval_notes_it(
+    smoke_head, tmp_path, caplog
+):
     from eval.grid import server_configs
 
-    run_dir, files = published(head_run, tmp_path)
+    run_dir, files = published(smoke_head, tmp_path)
     record = json.loads(files[RECORD])
     assert record["verified"] is False and "export.verify=false" in record["note"]
     assert set(record["files"]) == {"config.json", "model.safetensors"}
@@ -89,10 +82,10 @@ def test_an_export_not_verified_says_so_in_its_card_and_record_and_eval_notes_it
 
 
 @pytest.mark.parametrize("damage", ["truncated", "changed", "missing"])
-def test_eval_refuses_a_damaged_export_naming_the_file_before_any_server(head_run, tmp_path, damage):
+def test_eval_refuses_a_damaged_export_naming_the_file_before_any_server(smoke_head, tmp_path, damage):
     from eval.grid import server_configs
 
-    run_dir, _ = published(head_run, tmp_path)
+    run_dir, _ = published(smoke_head, tmp_path)
     weights = run_dir / "export" / "model.safetensors"
     data = weights.read_bytes()
     if damage == "truncated":
@@ -108,8 +101,8 @@ def test_eval_refuses_a_damaged_export_naming_the_file_before_any_server(head_ru
     assert str(weights) in str(raised.value)
 
 
-def test_an_export_without_a_record_still_has_its_weights_opened(head_run, tmp_path):
-    run_dir, _ = published(head_run, tmp_path)
+def test_an_export_without_a_record_still_has_its_weights_opened(smoke_head, tmp_path):
+    run_dir, _ = published(smoke_head, tmp_path)
     export_dir = run_dir / "export"
     (export_dir / RECORD).unlink()  # written by another trainer, or before records
     assert check_export(export_dir) is None
