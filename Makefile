@@ -5,7 +5,8 @@
 #                 6 min there, 24 min on AVX2 only); rerun it to continue after an interrupt
 #   make smoke    every stage on the tiny smoke target
 #   make gpu-check  on a lent GPU machine (no venv, no network: its own torch, the wheels of `make gpu-wheels`
-#                 carried): step time, tokens/s and peak memory per head kind at the 8B shapes, the smoke
+#                 carried; `python3 tests/gpu_check.py --out DIR` where there is no make): our trainer beside
+#                 speculators', step time, tokens/s and peak memory per head kind at the 8B shapes, the smoke
 #                 pipeline on CUDA, ZeRO-2 on one rank, the golden losses (docs/gpu.md#the-gpu-check)
 #   make bench    data_prep (caching, vLLM capture, regeneration with capture) and train benchmarks, online
 #                 against cached training (smoke target and SmolLM2-135M), the training attention and one
@@ -97,21 +98,21 @@ bench: setup
 	$(PY) train/benchmark_online.py --steps 40 --warmup 5 --work-dir runs/bench/online_smoke --out runs/bench/online_smoke.json -- experiment=smoke
 	$(PY) train/benchmark_online.py --steps 12 --warmup 2 --work-dir runs/bench/online_smollm2 --out runs/bench/online_smollm2.json -- experiment=smollm2 data.num_samples=200 regen.enabled=false
 
-# Not through the venv: the GPU machine has its own CUDA torch and no network (its python3 holds torch).
+# Not through the venv: the GPU machine has its own CUDA torch and no network (its python3 holds torch). There,
+# without make: docs/gpu.md#the-gpu-check.
 gpu-check:
-	PYTHONUNBUFFERED=1 python3 tests/gpu_check.py --out runs/gpu_check.json
+	PYTHONUNBUFFERED=1 python3 tests/gpu_check.py --out runs/gpu_check
 
-# The pure-Python packages the GPU machine lacks, as wheels for Python 3.12, into .whl/ (ignored by git; the
-# device tool carries it). antlr4 and DeepSpeed ship sources only: their wheels are built here.
-GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-	hjson==3.1.0 pydantic==2.14.4 annotated-types==0.8.0 typing-inspection==0.4.5
+# The Python packages the GPU machine lacks (tests/gpu_wheels.txt), as wheels for CPython 3.12, into .whl/
+# (ignored by git: the device tool carries it). The "sdist" lines (antlr4, DeepSpeed) ship sources only:
+# their wheels are built here.
 gpu-wheels: setup
 	rm -rf .whl && mkdir -p .whl
+	grep -v '# sdist' tests/gpu_wheels.txt > .whl/binary.txt && grep '# sdist' tests/gpu_wheels.txt > .whl/sdist.txt
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS) \
-		pydantic-core==$$($(PY) -c "import pydantic_core; print(pydantic_core.__version__)")
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl antlr4-python3-runtime==4.9.3 deepspeed==0.19.8
-	du -sh .whl
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl -r .whl/binary.txt
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl -r .whl/sdist.txt
+	rm .whl/*.txt && du -sh .whl
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,36 +1,65 @@
-"""The GPU check: what this project can prove on a GPU in under 8 minutes, run first whenever one is lent
-(`make gpu-check`; docs/gpu.md records what it printed, with the GPU, the date and the command).
+"""The GPU check: what this project can prove on a lent GPU in one call of under 9 minutes, run first whenever
+one is lent (docs/gpu.md#the-gpu-check records what it printed, with the GPU, the date and the command).
 
-    python3 tests/gpu_check.py --out runs/gpu_check.json        # on a CUDA machine (make gpu-check)
-    python3 tests/gpu_check.py --cpu                            # tiny shapes on a CPU (the default tests)
+    python3 tests/gpu_check.py --out $OUT            # the GPU machine (no make, no venv: its own python3)
+    python3 tests/gpu_check.py --cpu --out runs/gpu_check   # tiny shapes on a CPU (a slow test)
+    python3 tests/gpu_check.py --sections imports    # the first step alone (the restricted-import test)
 
-Sections, each timed, each run whatever the others did (the exit status says whether all passed):
-1. memory: one training step per head kind at the llama31_8b recipe's shapes with random weights - step
+It writes `<out>/gpu_check.json` after every step (a time-out or a crash keeps every number measured before
+it) and `<out>/gpu_check.log` (every step's whole output). Sections, in this order, each with its own time
+budget inside the whole (`--budget`); a step that would start with less than MIN_STEP_S of either left is
+skipped, and the output and the JSON say so:
+1. imports: every module a later section needs, imported in seconds, with the versions of the packages
+   that matter; a module that fails names the missing package and skips the sections that need it;
+2. peer: our EAGLE-3 trainer beside speculators 0.9's at Llama-3.1-8B's shapes, K=3 and K=7, the same
+   random data (train/benchmark_speculators.py): step time, tokens/s, peak memory and the ratio;
+3. memory: one training step per head kind at the llama31_8b recipe's shapes with random weights - step
    time, tokens/s, peak memory against the memory model (train/benchmark_memory.py); then EAGLE-3 online,
    beside a random bf16 8B-shaped target;
-2. pipeline: the smoke pipeline on the device - data_prep through transformers (no vLLM), each head kind
+4. pipeline: the smoke pipeline on the device - data_prep through transformers (no vLLM), each head kind
    trained in bf16, EAGLE-3 online, export of each without vLLM's verification;
-3. zero2: train under DeepSpeed ZeRO-2 on one rank (bf16);
-4. golden: the golden-loss tests (tests/test_train_loop.py -k golden) on the device.
-`--cpu`: the same sections at tiny shapes and a few steps, one export, without the golden tests (the test
-suite runs those).
-Needs no network and no vLLM: the GPU machine has neither.
+5. zero2: train under DeepSpeed ZeRO-2 on one rank (bf16);
+6. golden: the golden-loss tests (tests/test_train_loop.py -k golden) on the device.
+`--cpu`: the same at tiny shapes and a step or two, one export, without the golden tests (the suite runs
+them). Needs no network and no vLLM: the GPU machine has neither. Exit status: 0 when every step ran and
+passed, 1 when one failed, 3 when one was skipped for time.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the GPU machine has no install of this repository: its packages from here
     sys.path.insert(0, str(REPO))
+
+# (budget in seconds on a GPU, on a CPU in --cpu mode; the modules the section's commands import).
+SECTIONS = {
+    "imports": (60, 180, []),
+    "peer": (240, 420, ["train.benchmark_speculators", "speculators.train.trainer", "speculators.train.cli"]),
+    "memory": (150, 240, ["train.benchmark_memory", "train.data"]),
+    "pipeline": (200, 600, ["artifacts.smoke", "data_prep.main", "train.main", "export.main"]),
+    "zero2": (60, 180, ["artifacts.smoke", "data_prep.main", "train.main", "deepspeed", "accelerate"]),
+    "golden": (60, 0, ["pytest", "train.main"]),
+}
+BUDGET_S = {"gpu": 540, "cpu": 1800}  # the whole check: a 600-s call returns with time for its files
+MIN_STEP_S = 15  # no step starts with less left: a process start alone takes seconds
+# The packages whose versions the first step prints (a distribution name each).
+VERSIONS = ["torch", "transformers", "accelerate", "hydra-core", "omegaconf", "datasets", "deepspeed",
+            "speculators", "safetensors", "tokenizers", "huggingface-hub", "numpy", "pyarrow", "pandas",
+            "fsspec", "pydantic", "typing-extensions", "triton"]  # fmt: skip
 KINDS = {  # tests/helpers.py's small settings for the smoke target
     "eagle3": [],
     "peagle": ["head.kind=peagle", "head.num_layers=2", "head.cod_ratio=0.5"],
@@ -43,6 +72,192 @@ KINDS = {  # tests/helpers.py's small settings for the smoke target
     ],
     "eagle1": ["head.kind=eagle1"],
 }
+
+
+class Check:
+    """The results so far, written after every step; each step a process run within the budgets left."""
+
+    def __init__(self, out: Path, mode: str, budget_s: float):
+        self.out, self.mode = out, mode
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out / "gpu_check.log", "a", buffering=1)  # noqa: SIM115 - open for the whole check
+        self.deadline = time.monotonic() + budget_s
+        self.section_deadline = self.deadline
+        self.section = None
+        self.result = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "mode": mode,
+            "budget_s": budget_s,
+            "device": None,
+            "versions": {},
+            "sections": {},
+            "steps": [],
+            "memory": [],
+            "peer": {"results": [], "ratios": []},
+            "finished": False,
+        }
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+
+    def save(self) -> None:
+        path = self.out / "gpu_check.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.result, indent=1))
+        os.replace(tmp, path)
+
+    def begin(self, name: str, skip_reason: str | None = None) -> bool:
+        """Open a section with its own budget; False (and said) when it is skipped."""
+        gpu_s, cpu_s, _ = SECTIONS[name]
+        budget = gpu_s if self.mode == "gpu" else cpu_s
+        self.section = name
+        entry = {"budget_s": budget, "seconds": 0.0, "status": "running"}
+        self.result["sections"][name] = entry
+        left = self.deadline - time.monotonic()
+        if skip_reason is None and left < MIN_STEP_S:
+            skip_reason = f"the check's budget of {self.result['budget_s']} s is spent"
+        if skip_reason:
+            entry["status"] = f"skipped: {skip_reason}"
+            self.say(f"[{name}] skipped: {skip_reason}")
+            self.save()
+            return False
+        self.section_deadline = min(self.deadline, time.monotonic() + budget)
+        self.section_start = time.monotonic()
+        self.say(f"[{name}] budget {budget} s (the check has {left:.0f} s left)")
+        return True
+
+    def end(self) -> None:
+        entry = self.result["sections"][self.section]
+        steps = [s for s in self.result["steps"] if s["section"] == self.section]
+        entry["seconds"] = round(time.monotonic() - self.section_start, 1)
+        failed = [s["step"] for s in steps if s["status"] == "failed"]
+        skipped = [s["step"] for s in steps if s["status"].startswith("skipped")]
+        entry["status"] = (
+            f"failed: {', '.join(failed)}" if failed
+            else f"partial: skipped for time: {', '.join(skipped)}" if skipped
+            else "passed"
+        )  # fmt: skip
+        self.say(f"[{self.section}] {entry['status']} in {entry['seconds']:.0f} s of {entry['budget_s']}")
+        self.save()
+
+    def record(self, step: str, seconds: float, status: str, command: list[str] | None = None, why: str = ""):
+        assert step not in {s["step"] for s in self.result["steps"]}, f"step name {step} used twice"
+        self.result["steps"].append({
+            "section": self.section, "step": step, "ok": status == "passed", "status": status,
+            "seconds": round(seconds, 1), "command": " ".join(command) if command else None, "why": why,
+        })  # fmt: skip
+        self.save()
+
+    def run(self, step: str, command: list[str], env: dict | None = None) -> str | None:
+        """Run one step in its own process group within the time left; its output, or None if it did not
+        run or failed."""
+        left = min(self.section_deadline, self.deadline) - time.monotonic()
+        shown = " ".join(Path(c).name if c == sys.executable else c for c in command)
+        if left < MIN_STEP_S:
+            why = "section" if self.section_deadline < self.deadline else "check"
+            self.say(f"[{self.section}] skip {step}: the {why}'s budget is spent ({left:.0f} s left)")
+            self.record(step, 0.0, f"skipped: the {why}'s budget is spent", command)
+            return None
+        path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
+        start = time.monotonic()
+        process = subprocess.Popen(
+            command, cwd=REPO, env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            output, _ = process.communicate(timeout=left)
+            status = "passed" if process.returncode == 0 else f"failed (exit {process.returncode})"
+        except subprocess.TimeoutExpired:
+            kill_group(process)
+            output, _ = process.communicate()
+            status = f"failed: timed out after {left:.0f} s (the budget left)"
+        except BaseException:  # an interrupt: stop the step's whole tree, keep what was measured
+            kill_group(process)
+            self.record(step, time.monotonic() - start, "failed", command, "interrupted")
+            raise
+        seconds = time.monotonic() - start
+        ok = status == "passed"
+        self.log.write(f"----- {step}: {status}, {seconds:.1f} s: {shown}\n{output}\n")
+        self.say(f"[{self.section}] {'ok  ' if ok else 'FAIL'} {seconds:6.1f} s  {step}")
+        if not ok:
+            self.say(f"  {status}: {shown[:300]}\n" + "\n".join(output.strip().splitlines()[-25:]))
+        self.record(step, seconds, "passed" if ok else "failed", command, "" if ok else status)
+        return output if ok else None
+
+
+def interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def check_imports(check: Check, sections: list[str]) -> dict[str, str]:
+    """The first step: import every module the chosen sections need (every section's when none is chosen
+    but this one), in this process (seconds), and print the versions. {module: why it failed} for those that
+    did not import."""
+    start = time.monotonic()
+    check.result["versions"] = versions = {}
+    for name in VERSIONS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    import torch
+
+    cuda = torch.cuda.is_available()
+    check.result["device"] = torch.cuda.get_device_name(0) if cuda else (platform.processor() or "cpu")
+    versions["python"] = sys.version.split()[0]
+    versions["cuda"] = torch.version.cuda
+    failed = {}
+    for module in dict.fromkeys(m for s in (sections[1:] or SECTIONS) for m in SECTIONS[s][2]):
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - any import error is the finding: named, not raised
+            missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+            failed[module] = (
+                f"{missing or 'import error'} (importing {module}: {type(error).__name__}: {error})"
+            )
+    check.say(f"on {check.result['device']}: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v))
+    for module, why in failed.items():
+        check.say(f"[imports] FAIL {module}: needs {why}")
+    check.record(
+        "imports", time.monotonic() - start, "failed" if failed else "passed", why="; ".join(failed.values())
+    )
+    return failed
+
+
+def memory_section(check: Check, work: Path, cpu: bool) -> None:
+    bench = [sys.executable, str(REPO / "train" / "benchmark_memory.py"), "--recipe", "llama31_8b"]
+    bench += ["--tiny", "--steps", "1"] if cpu else ["--steps", "3"]
+    for kind, extra in [("eagle3", []), ("peagle", []), ("dflash", []), ("eagle3-online", ["--online"])]:
+        out = work / f"memory_{kind}.json"
+        if check.run(f"memory {kind}", [*bench, "--kinds", kind.split("-")[0], *extra, "--out", str(out)]):
+            check.result["memory"] += json.loads(out.read_text())
+            check.save()
+
+
+def peer_section(check: Check, work: Path, cpu: bool) -> None:
+    """One step per trainer and K, so that each result is kept as soon as it is measured."""
+    peer = check.result["peer"]
+    for k in (3, 7):
+        for trainer in ("ours", "speculators"):
+            out = work / f"peer_{trainer}_{k}.json"
+            command = [sys.executable, str(REPO / "train" / "benchmark_speculators.py"), "--trainers", trainer,
+                       "--ttt-steps", str(k), "--out", str(out)]  # fmt: skip
+            command += ["--tiny", "--steps", "1", "--warmup", "1"] if cpu else []
+            if check.run(f"peer {trainer} K={k}", command):
+                peer["results"] += json.loads(out.read_text())["results"]
+                from train.benchmark_speculators import ratios
+
+                peer["ratios"] = ratios(peer["results"])
+                check.save()
 
 
 def stage(name: str, run_dir: Path, *overrides: str, launcher: list[str] = ()) -> list[str]:
@@ -59,25 +274,67 @@ def linked_run(run_dir: Path, source: Path) -> Path:
     return run_dir
 
 
-def run(section: str, command: list[str], results: list, env: dict | None = None, timeout: int = 600) -> str:
-    """Run one step of a section; record its time, status and last lines; return its output."""
-    start = time.perf_counter()
-    try:
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})},
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
-        ok, output = done.returncode == 0, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as error:
-        ok, output = False, f"timed out after {timeout} s\n{error.stdout or ''}{error.stderr or ''}"
-    seconds = time.perf_counter() - start
-    name = " ".join(Path(c).name if c.startswith("/") else c for c in command[1:4])
-    results.append({"section": section, "step": name, "ok": ok, "seconds": round(seconds, 1)})
-    print(
-        f"[{section}] {'ok  ' if ok else 'FAIL'} {seconds:6.1f} s  {' '.join(command[1:])[:160]}", flush=True
-    )
-    if not ok:
-        print("\n".join(output.strip().splitlines()[-25:]), flush=True)
-    return output
+def smoke_caches(check: Check, work: Path) -> tuple[Path, Path] | None:
+    """The smoke target and its two caches (cached states; tokens only), or None if data_prep failed."""
+    from artifacts.smoke import build_smoke_target
+
+    target = build_smoke_target(work / "smoke_target")
+    cached, online = work / "cached", work / "online"
+    for run_dir in (cached, online):
+        run_dir.mkdir()
+        (run_dir / "smoke_target").symlink_to(target)
+    ok = check.run("data_prep cached", stage("data_prep", cached)) is not None
+    ok &= check.run("data_prep online", stage("data_prep", online, "cache.hidden_states=false")) is not None
+    return (cached, online) if ok else None
+
+
+def pipeline_section(check: Check, work: Path, caches: tuple[Path, Path], cpu: bool) -> None:
+    cached, online = caches
+    steps = ["train.max_steps=2"] if cpu else ["train.max_steps=20"]
+    quiet = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "train.mixed_precision=bf16"]
+    for kind, overrides in KINDS.items():
+        run_dir = linked_run(work / f"train_{kind}", cached)
+        trained = check.run(f"train {kind}", stage("train", run_dir, *overrides, *steps, *quiet))
+        if trained is not None and (not cpu or kind == "dflash"):  # on a CPU the suite exports every kind
+            check.run(f"export {kind}", stage("export", run_dir, *overrides, "export.verify=false",
+                                              "export.num_speculative_tokens=2"))  # fmt: skip
+    check.run("train eagle3 online", stage("train", online, *steps, *quiet, "train.features=online"))
+
+
+def zero2_section(check: Check, work: Path, cached: Path, cpu: bool) -> None:
+    run_dir = linked_run(work / "zero2", cached)
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+           "ACCELERATE_MIXED_PRECISION": "bf16"}  # fmt: skip
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    steps = ["train.max_steps=2"] if cpu else ["train.max_steps=20"]
+    quiet = ["train.eval_every=0", "train.save_every=0", "train.log_every=1", "train.mixed_precision=bf16"]
+    check.run("train zero2", stage("train", run_dir, *steps, *quiet, launcher=launcher), env)
+
+
+def report(check: Check) -> None:
+    """The numbers at the end of the output (the part a machine that returns only the output's tail keeps)."""
+    result = check.result
+    check.say("\nours beside speculators' trainer (train/benchmark_speculators.py):")
+    for r in result["peer"]["results"]:
+        check.say(f"  {r['trainer']:11s} K={r['ttt_steps']} {r['tokens']} tokens: {r['step_s']:.3f} s/step "
+                  f"(h2d {r['h2d_s']:.3f} fwd {r['fwd_s']:.3f} bwd {r['bwd_s']:.3f} opt {r['opt_s']:.3f}), "
+                  f"{r['tokens_per_s']:.0f} tokens/s, peak {r['peak_gb']:.2f} GB")  # fmt: skip
+    for r in result["peer"]["ratios"]:
+        check.say(f"  K={r['ttt_steps']}: ours / speculators tokens/s {r['tokens_per_s_ratio']:.2f}x, "
+                  f"peak memory {r['peak_memory_ratio']:.2f}x")  # fmt: skip
+    check.say("per head kind, one training step (train/benchmark_memory.py):")
+    for m in result["memory"]:
+        check.say(f"  {m['kind']:7s} {m['batch_size']} x {m['seq_len']}{' online' if m['online'] else '       '}: "
+                  f"{m['step_s']:.3f} s/step, {m['tokens_per_s']:.0f} tokens/s, peak {m['peak_gb']:.2f} GB "
+                  f"(model {m['predicted_gb']:.2f}), over setup {m['peak_over_setup_gb']:.2f} GB "
+                  f"(model {m['predicted_over_setup_gb']:.2f})")  # fmt: skip
+    for name, entry in result["sections"].items():
+        check.say(f"  {name:8s} {entry['status']} ({entry['seconds']:.0f} s of {entry['budget_s']})")
+    steps = result["steps"]
+    passed = sum(s["ok"] for s in steps)
+    check.say(f"{passed} of {len(steps)} steps passed on {result['device']}; JSON and log in {check.out}")
 
 
 def main() -> int:
@@ -85,81 +342,58 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on a CPU (the test suite's mode)")
-    parser.add_argument("--out", type=Path, default=None, help="the results as JSON")
-    parser.add_argument("--sections", nargs="+", default=["memory", "pipeline", "zero2", "golden"])
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="a directory")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole check")
     args = parser.parse_args()
+    mode = "cpu" if args.cpu else "gpu"
+    check = Check(args.out, mode, args.budget or BUDGET_S[mode])
+    signal.signal(signal.SIGTERM, interrupt)  # a time-out's kill: kept as an interrupt, the JSON written
+    sections = ["imports", *(s for s in SECTIONS if s in args.sections and s != "imports")]
+    check.say(f"gpu check ({mode}): {check.result['command']}")
+    check.begin("imports")
+    failed = check_imports(check, sections)
+    check.end()
     import torch
 
     if not args.cpu and not torch.cuda.is_available():
-        print("no CUDA device: run with --cpu for the tiny CPU mode", file=sys.stderr)
+        check.say("no CUDA device: run with --cpu for the tiny CPU mode")
         return 2
-    device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
-    print(f"gpu check on {device}: torch {torch.__version__}, python {sys.version.split()[0]}", flush=True)
-    results, memory = [], []
-    py = sys.executable
-    steps = ["train.max_steps=2"] if args.cpu else ["train.max_steps=20"]
-    quiet = ["train.eval_every=0", "train.save_every=0", "train.log_every=1"]
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-
-    if "memory" in args.sections:
-        bench = [py, str(REPO / "train" / "benchmark_memory.py"), "--recipe", "llama31_8b"]
-        bench += ["--tiny", "--steps", "1"] if args.cpu else ["--steps", "3"]
-        for extra in ([], ["--kinds", "eagle3", "--online"]):
-            out = work / f"memory{len(memory)}.json"
-            run("memory", [*bench, *extra, "--out", str(out)], results)
-            memory += json.loads(out.read_text()) if out.exists() else []
-
-    if args.sections != ["memory"]:  # the smoke target and its caches: cached states, and tokens only
-        from artifacts.smoke import build_smoke_target
-
-        target = build_smoke_target(work / "smoke_target")
-        cached, online = work / "cached", work / "online"
-        for run_dir in (cached, online):
-            run_dir.mkdir()
-            (run_dir / "smoke_target").symlink_to(target)
-        run("pipeline", stage("data_prep", cached), results)
-        run("pipeline", stage("data_prep", online, "cache.hidden_states=false"), results)
-
-    if "pipeline" in args.sections:
-        for kind, overrides in KINDS.items():
-            run_dir = linked_run(work / f"train_{kind}", cached)
-            run(
-                "pipeline",
-                stage("train", run_dir, *overrides, *steps, *quiet, "train.mixed_precision=bf16"),
-                results,
-            )
-            if not args.cpu or kind == "dflash":  # on a CPU the suite exports every kind already
-                run("pipeline", stage("export", run_dir, *overrides, "export.verify=false", "export.num_speculative_tokens=2"), results)  # fmt: skip
-        run("pipeline", stage("train", online, *steps, *quiet, "train.features=online", "train.mixed_precision=bf16"),
-            results)  # fmt: skip
-
-    if "zero2" in args.sections:
-        run_dir = linked_run(work / "zero2", cached)
-        env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
-               "ACCELERATE_MIXED_PRECISION": "bf16"}  # fmt: skip
-        if args.cpu:
-            env["DS_ACCELERATOR"] = "cpu"
-        launcher = [py, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
-        run("zero2", stage("train", run_dir, *steps, *quiet, "train.mixed_precision=bf16", launcher=launcher), results,
-            env)  # fmt: skip
-
-    if "golden" in args.sections and not args.cpu:
-        run("golden", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_train_loop.py", "-k", "golden"],
-            results)  # fmt: skip
-
-    print("\nper head kind, one training step (train/benchmark_memory.py):")
-    for m in memory:
-        print(f"  {m['kind']:7s} {m['batch_size']} x {m['seq_len']}{' online' if m['online'] else '       '}: "
-              f"{m['step_s']:.3f} s/step, {m['tokens_per_s']:.0f} tokens/s, peak {m['peak_gb']:.2f} GB "
-              f"(model {m['predicted_gb']:.2f}), over setup {m['peak_over_setup_gb']:.2f} GB "
-              f"(model {m['predicted_over_setup_gb']:.2f})")  # fmt: skip
-    failed = [r for r in results if not r["ok"]]
-    print(f"\n{len(results) - len(failed)} of {len(results)} steps passed on {device}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": device, "torch": torch.__version__, "steps": results,
-                                        "memory": memory}, indent=1))  # fmt: skip
-    return 1 if failed else 0
+    caches = None
+    try:
+        for name in sections[1:]:
+            needs = [failed[m] for m in SECTIONS[name][2] if m in failed]
+            why = f"needs {needs[0]}" if needs else None
+            if name == "golden" and args.cpu:
+                why = "the test suite runs the golden tests on a CPU"
+            if not check.begin(name, why):
+                continue
+            if name == "peer":
+                peer_section(check, work, args.cpu)
+            elif name == "memory":
+                memory_section(check, work, args.cpu)
+            elif name in ("pipeline", "zero2"):
+                caches = caches or smoke_caches(check, work)
+                if caches and name == "pipeline":
+                    pipeline_section(check, work, caches, args.cpu)
+                elif caches:
+                    zero2_section(check, work, caches[0], args.cpu)
+            elif name == "golden":
+                check.run("golden losses", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                            "tests/test_train_loop.py", "-k", "golden"])  # fmt: skip
+            check.end()
+    except KeyboardInterrupt:
+        check.say("interrupted: the JSON holds every step measured so far")
+        check.save()
+        return 130
+    check.result["finished"] = True
+    report(check)
+    check.save()
+    steps = check.result["steps"]
+    if any(s["status"] == "failed" for s in steps):
+        return 1
+    return 3 if any(s["status"].startswith("skipped") for s in steps) else 0
 
 
 if __name__ == "__main__":

@@ -151,42 +151,85 @@ def predict(recipe: str, kind: str, batch_size: int | None, seq_len: int | None,
 
 def random_batch(cfg, target_config, aux_ids, batch_size: int, seq_len: int, device) -> dict:
     """Random tokens, a quarter prompt and the rest answer, with random aux and final states (fp32, as
-    `collate` gives them)."""
-    g = torch.Generator().manual_seed(0)
+    `collate` gives them), drawn on `device` from one seed: the same batch for every run on that device (a
+    minute of random 8B-sized states on a GPU host's CPU, milliseconds on the GPU)."""
+    device = torch.device(device)
+    g = torch.Generator(device).manual_seed(0)
     b, t, h = batch_size, seq_len, target_config.hidden_size
-    loss_mask = (torch.arange(t) >= round(t * (1 - ANSWER_FRACTION))).expand(b, t)
-    batch = {
-        "input_ids": torch.randint(0, target_config.vocab_size, (b, t), generator=g),
+    loss_mask = (torch.arange(t, device=device) >= round(t * (1 - ANSWER_FRACTION))).expand(b, t)
+    return {
+        "input_ids": torch.randint(0, target_config.vocab_size, (b, t), generator=g, device=device),
         "loss_mask": loss_mask.clone(),
-        "attention_mask": torch.ones(b, t, dtype=torch.long),
-        "aux_hidden": torch.randn(b, t, len(aux_ids), h, generator=g),
-        "final_hidden": torch.randn(b, t, h, generator=g),
+        "attention_mask": torch.ones(b, t, dtype=torch.long, device=device),
+        "aux_hidden": torch.randn(b, t, len(aux_ids), h, generator=g, device=device),
+        "final_hidden": torch.randn(b, t, h, generator=g, device=device),
     }
-    return {k: v.to(device) for k, v in batch.items()}
+
+
+def build_model(cfg, target_config, device) -> tuple:
+    """(model, optimizer, aux_ids): train's DraftWithLoss around the head with random weights, and its AdamW,
+    built on `device` (the random matrices too: seconds on a GPU where its host's CPU takes a minute)."""
+    from train.model import DraftWithLoss
+    from train.optim import make_optimizer
+
+    v, h = target_config.vocab_size, target_config.hidden_size
+    draft, aux_ids, vocab = build_head(cfg, target_config, cfg.head.kind, device)
+    g = torch.Generator(device).manual_seed(1)
+    lm_head = (0.02 * torch.randn(v, h, generator=g, device=device)).to(torch.bfloat16)
+    draft.load_target_embedding(0.02 * torch.randn(v, h, generator=g, device=device))
+    draft_to_target = vocab.draft_to_target.to(device)
+    if cfg.head.lm_head_init == "target":  # init_lm_head without reading the target's norm from disk
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(lm_head[draft_to_target].float())
+    model = DraftWithLoss(draft, lm_head, draft_to_target, cfg, aux_ids).to(device)
+    model.train()
+    return model, make_optimizer(cfg, model), aux_ids
+
+
+def synchronize(device) -> float:
+    """perf_counter once the device has finished what was queued (phases of a step timed as they ran)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def train_step(model, optimizer, batch: dict, max_grad_norm: float, device, states=None) -> dict:
+    """One optimizer step as train's loop takes it (forward under bf16 autocast, backward, clip, AdamW), each
+    phase synchronised: its seconds by phase."""
+    start = synchronize(device)
+    step_batch = dict(batch)
+    if states is not None:  # online: the target computes the states inside the step
+        step_batch["aux_hidden"], step_batch["final_hidden"] = states(
+            batch["input_ids"], batch["attention_mask"]
+        )
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        loss, _ = model(step_batch)
+    forward = synchronize(device)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    backward = synchronize(device)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    end = synchronize(device)
+    return {
+        "fwd_s": forward - start,
+        "bwd_s": backward - forward,
+        "opt_s": end - backward,
+        "step_s": end - start,
+    }
 
 
 def child(args) -> dict:
     """One kind's setup and steps in this process; the measurement as a dict."""
     from train.data import OnlineStates
-    from train.model import DraftWithLoss
-    from train.optim import make_optimizer
 
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, target_config = recipe_config(args.recipe, args.child, args.tiny, args.override)
-    v, h = target_config.vocab_size, target_config.hidden_size
-    kind = cfg.head.kind
     args.batch_size = args.batch_size or (2 if args.tiny else cfg.train.batch_size)
     args.seq_len = args.seq_len or (256 if args.tiny else cfg.render.max_length)
-    draft, aux_ids, vocab = build_head(cfg, target_config, kind)
-    lm_head = (0.02 * torch.randn(v, h)).to(torch.bfloat16)
-    draft.load_target_embedding(0.02 * torch.randn(v, h))
-    if cfg.head.lm_head_init == "target":  # init_lm_head without reading the target's norm from disk
-        with torch.no_grad():
-            draft.lm_head.weight.copy_(lm_head[vocab.draft_to_target].float())
-    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, aux_ids).to(device)
-    model.train()
-    optimizer = make_optimizer(cfg, model)
+    model, optimizer, aux_ids = build_model(cfg, target_config, device)
+    draft = model.draft
     batch = random_batch(cfg, target_config, aux_ids, args.batch_size, args.seq_len, device)
     states = None
     if args.online:
@@ -197,24 +240,8 @@ def child(args) -> dict:
         states = OnlineStates(target, aux_ids)
         del batch["aux_hidden"], batch["final_hidden"]
     before, _ = mark_memory(device)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step_batch = dict(batch)
-        if states is not None:
-            step_batch["aux_hidden"], step_batch["final_hidden"] = states(
-                batch["input_ids"], batch["attention_mask"]
-            )
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss, _ = model(step_batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        del step_batch, loss
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    times = [train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states)["step_s"]
+             for _ in range(args.steps)]  # fmt: skip
     peak = peak_memory(device)
     predicted = step_memory(cfg, draft, target_config, args.batch_size, args.seq_len, online=args.online,
                             answer_fraction=ANSWER_FRACTION)  # fmt: skip
@@ -222,10 +249,8 @@ def child(args) -> dict:
                                world=8, online=cfg.train.features == "online", answer_fraction=1.0)  # fmt: skip
     step_s = min(times[1:] or times)
     return {
-        "kind": kind,
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        "kind": cfg.head.kind,
+        "device": device_name(device),
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "online": args.online,
@@ -241,6 +266,13 @@ def child(args) -> dict:
         "recipe_predicted_gb": round(peak_bytes(recipe_batch) / GB, 1),
         "recipe_breakdown": describe(recipe_batch),
     }
+
+
+def device_name(device) -> str:
+    """The GPU's name, or the CPU's."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or "cpu"
 
 
 def main() -> None:
