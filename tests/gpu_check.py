@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:  # the GPU machine has no install of this reposito
 # (budget in seconds on a GPU, on a CPU in --cpu mode; the modules the section's commands import).
 SECTIONS = {
     "imports": (60, 180, []),
-    "peer": (240, 420, ["train.benchmark_speculators", "speculators.train.trainer", "speculators.train.cli"]),
+    "peer": (300, 420, ["train.benchmark_speculators", "speculators.train.trainer", "speculators.train.cli"]),
     "memory": (150, 240, ["train.benchmark_memory", "train.data"]),
     "pipeline": (200, 600, ["artifacts.smoke", "data_prep.main", "train.main", "export.main"]),
     "zero2": (60, 180, ["artifacts.smoke", "data_prep.main", "train.main", "deepspeed", "accelerate"]),
@@ -186,6 +186,19 @@ class Check:
         self.record(step, seconds, "passed" if ok else "failed", command, "" if ok else status)
         return output if ok else None
 
+    def run_json(self, step: str, command: list[str]) -> dict | None:
+        """A step whose last line of output is its result as JSON; that result, or None."""
+        output = self.run(step, command)
+        if output is None:
+            return None
+        try:
+            return json.loads(output.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            self.result["steps"][-1].update(ok=False, status="failed", why="no JSON result on its last line")
+            self.say(f"[{self.section}] FAIL {step}: no JSON result on its last line")
+            self.save()
+            return None
+
 
 def interrupt(*_) -> None:
     raise KeyboardInterrupt
@@ -233,29 +246,32 @@ def check_imports(check: Check, sections: list[str]) -> dict[str, str]:
     return failed
 
 
-def memory_section(check: Check, work: Path, cpu: bool) -> None:
+def memory_section(check: Check, cpu: bool) -> None:
+    """One step per head kind, each the benchmark's child mode (one process, its result as a JSON line)."""
     bench = [sys.executable, str(REPO / "train" / "benchmark_memory.py"), "--recipe", "llama31_8b"]
     bench += ["--tiny", "--steps", "1"] if cpu else ["--steps", "3"]
     for kind, extra in [("eagle3", []), ("peagle", []), ("dflash", []), ("eagle3-online", ["--online"])]:
-        out = work / f"memory_{kind}.json"
-        if check.run(f"memory {kind}", [*bench, "--kinds", kind.split("-")[0], *extra, "--out", str(out)]):
-            check.result["memory"] += json.loads(out.read_text())
+        result = check.run_json(f"memory {kind}", [*bench, "--child", kind.split("-")[0], *extra])
+        if result:
+            check.result["memory"].append(result)
             check.save()
 
 
-def peer_section(check: Check, work: Path, cpu: bool) -> None:
+def peer_section(check: Check, cpu: bool) -> None:
     """One step per trainer and K, so that each result is kept as soon as it is measured."""
+    from train.benchmark_speculators import ratios
+
     peer = check.result["peer"]
     for k in (3, 7):
         for trainer in ("ours", "speculators"):
-            out = work / f"peer_{trainer}_{k}.json"
-            command = [sys.executable, str(REPO / "train" / "benchmark_speculators.py"), "--trainers", trainer,
-                       "--ttt-steps", str(k), "--out", str(out)]  # fmt: skip
-            command += ["--tiny", "--steps", "1", "--warmup", "1"] if cpu else []
-            if check.run(f"peer {trainer} K={k}", command):
-                peer["results"] += json.loads(out.read_text())["results"]
-                from train.benchmark_speculators import ratios
-
+            command = [sys.executable, str(REPO / "train" / "benchmark_speculators.py"), "--child", trainer,
+                       "--ttt-steps", str(k)]  # fmt: skip
+            result = check.run_json(
+                f"peer {trainer} K={k}",
+                command + (["--tiny", "--steps", "1", "--warmup", "1"] if cpu else []),
+            )
+            if result:
+                peer["results"].append(result)
                 peer["ratios"] = ratios(peer["results"])
                 check.save()
 
@@ -370,9 +386,9 @@ def main() -> int:
             if not check.begin(name, why):
                 continue
             if name == "peer":
-                peer_section(check, work, args.cpu)
+                peer_section(check, args.cpu)
             elif name == "memory":
-                memory_section(check, work, args.cpu)
+                memory_section(check, args.cpu)
             elif name in ("pipeline", "zero2"):
                 caches = caches or smoke_caches(check, work)
                 if caches and name == "pipeline":
@@ -390,10 +406,10 @@ def main() -> int:
     check.result["finished"] = True
     report(check)
     check.save()
-    steps = check.result["steps"]
-    if any(s["status"] == "failed" for s in steps):
+    if any(s["status"] == "failed" for s in check.result["steps"]):
         return 1
-    return 3 if any(s["status"].startswith("skipped") for s in steps) else 0
+    statuses = [entry["status"] for entry in check.result["sections"].values()]
+    return 3 if any(s.startswith(("partial", "skipped: the check's budget")) for s in statuses) else 0
 
 
 if __name__ == "__main__":

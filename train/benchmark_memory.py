@@ -289,7 +289,9 @@ def main() -> None:
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, key=value")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--predict", action="store_true", help="only the model's breakdown (ZeRO-2, 8 GPUs)")
-    parser.add_argument("--child", choices=list(KINDS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=list(KINDS), help="one kind in this process, its result as a JSON line"
+    )
     args = parser.parse_args()
     if args.predict:
         for kind in args.kinds:

@@ -192,7 +192,10 @@ def run_speculators(args, device) -> dict:
     batch = speculators_batch(random_batch(cfg, target_config, aux_ids, b, t, device), b * t)
     num_tokens = int((batch["document_ids"] != -1).sum())
     num_steps = args.warmup + args.steps
-    loader = torch.utils.data.DataLoader([batch] * num_steps, batch_size=None)
+    # Its loader pins memory (speculators.train.dataloader): the host-to-device copy as it runs.
+    loader = torch.utils.data.DataLoader(
+        [batch] * num_steps, batch_size=None, pin_memory=device.type == "cuda"
+    )
     # Its CLI's defaults (speculators.train.config.schema): Muon + AdamW at lr 1e-3, a linear schedule
     # with 1% warmup, forward KL; the fused Triton losses need CUDA.
     loss = "fused" if device.type == "cuda" else "eager"
@@ -278,7 +281,8 @@ def main() -> int:
                         help="speculators' --optimizer (its CLI's default: muon)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a small Llama shape: seconds, any machine")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--child", choices=["ours", "speculators"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["ours", "speculators"],
+                        help="one trainer at the first K in this process, its result as a JSON line")  # fmt: skip
     args = parser.parse_args()
     if args.child:
         torch.manual_seed(0)
