@@ -8,9 +8,15 @@ one to `<name>`; the old one is removed last. A kill between the two renames lea
 old one whole in `.<name>.old`: `recover_dir` (run by the next publication and by readers) puts it back.
 A kill after them leaves `.<name>.old` as litter, which it removes.
 
+Only what the pipeline published is ever replaced or removed: every directory swapped in carries a marker
+(`.eagle-pipeline.json`, naming its kind: export, head, checkpoint), and a destination that exists without
+the marker of the same kind - a user's folder, the run directory, a head where an export should go - is
+refused by name before anything is built (`NotOurs`). Directories published before markers existed are
+recognised by a file only that kind writes (`legacy`), and an empty directory holds nothing to lose.
+
     from artifacts import atomic
     atomic.write_json(run_dir / "results.json", results)
-    with atomic.publish_dir(run_dir / "export") as staging:
+    with atomic.publish_dir(run_dir / "export", kind="export") as staging:
         save_file(weights, str(staging / "model.safetensors"))
 """
 
@@ -23,6 +29,12 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+MARKER = ".eagle-pipeline.json"
+
+
+class NotOurs(ValueError):
+    """A destination this pipeline did not publish (or published as another kind): never renamed or removed."""
 
 
 def fsync_path(path: Path) -> None:
@@ -118,19 +130,55 @@ def recover_dirs(parent: Path, pattern: str) -> None:
             recover_dir(litter.with_name(name))
 
 
-def begin_publish(dest: Path) -> Path:
-    """A fresh, empty staging directory for `dest` (a killed publication's leftovers recovered first)."""
+def published_kind(path: Path) -> str | None:
+    """The kind the pipeline's marker in `path` names, or None (no marker, or one it cannot read)."""
+    try:
+        return json.loads((Path(path) / MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_replaceable(dest: Path, kind: str, legacy: tuple[str, ...] = ()) -> None:
+    """Raise NotOurs unless `dest` is absent, empty, or a directory the pipeline published as `kind` (its
+    marker; before markers, one of the `legacy` files only that kind writes)."""
     dest = Path(dest)
     recover_dir(dest)
+    if not dest.exists() and not dest.is_symlink():
+        return
+    a_kind = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+    if dest.is_dir() and not dest.is_symlink():
+        found = published_kind(dest)
+        if found == kind:
+            return
+        if found is None and (not any(dest.iterdir()) or any((dest / name).is_file() for name in legacy)):
+            return
+        what = f"is the pipeline's {found}, not {a_kind}" if found else f"was not published as {a_kind} here"
+    else:
+        what = "exists and is not a directory"
+    raise NotOurs(
+        f"{dest} {what}: refused, nothing was moved or removed. Name a new or empty directory (or {a_kind} "
+        f"this pipeline published), or move {dest} away yourself"
+    )
+
+
+def begin_publish(dest: Path, kind: str, legacy: tuple[str, ...] = ()) -> Path:
+    """A fresh, empty staging directory for `dest` (a killed publication's leftovers recovered first);
+    NotOurs, before anything is built, when `dest` is not the pipeline's `kind`."""
+    dest = Path(dest)
+    check_replaceable(dest, kind, legacy)
     staging = staging_path(dest)
     shutil.rmtree(staging, ignore_errors=True)  # a killed publication's partial build
     staging.mkdir(parents=True)
     return staging
 
 
-def finish_publish(staging: Path, dest: Path) -> Path:
-    """Swap the complete `staging` directory in as `dest`; the old `dest` stays whole until it is replaced."""
+def finish_publish(staging: Path, dest: Path, kind: str, legacy: tuple[str, ...] = ()) -> Path:
+    """Swap the complete `staging` directory in as `dest`, marked as `kind`; the old `dest` stays whole until
+    it is replaced, and is replaced only when it is the pipeline's `kind` (checked again: it may have
+    changed while staging was built)."""
     dest = Path(dest)
+    check_replaceable(dest, kind, legacy)
+    (staging / MARKER).write_text(json.dumps({"kind": kind, "by": "eagle-pipeline"}) + "\n")
     for root, _, files in os.walk(staging):
         for name in files:
             fsync_path(Path(root) / name)
@@ -144,12 +192,16 @@ def finish_publish(staging: Path, dest: Path) -> Path:
 
 
 @contextlib.contextmanager
-def publish_dir(dest: Path, once: bool = False) -> Iterator[Path]:
-    """Yield a staging directory beside `dest`; when the block ends without an error, swap it in as `dest`.
+def publish_dir(
+    dest: Path, kind: str = "", legacy: tuple[str, ...] = (), once: bool = False
+) -> Iterator[Path]:
+    """Yield a staging directory beside `dest`; when the block ends without an error, swap it in as `dest`
+    (only over a directory the pipeline published as `kind`: `check_replaceable`).
 
     `once`: for directories every rank of a job may build at the same time, with the same bytes (the smoke
     target, a converted model): the staging directory is this process's own, and a `dest` that another
-    process published first is kept (its copy is as good as ours) instead of replaced.
+    process published first is kept (its copy is as good as ours) instead of replaced - nothing is ever
+    replaced, so no kind is needed.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -158,11 +210,12 @@ def publish_dir(dest: Path, once: bool = False) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     else:
-        staging = begin_publish(dest)
+        assert kind, "a directory published by swap names its kind"
+        staging = begin_publish(dest, kind, legacy)
     try:
         yield staging
         if not once:
-            finish_publish(staging, dest)
+            finish_publish(staging, dest, kind, legacy)
         else:
             with contextlib.suppress(OSError):  # a non-empty `dest`: another process published first
                 os.rename(staging, dest)
@@ -171,9 +224,11 @@ def publish_dir(dest: Path, once: bool = False) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)  # what a failed block (or a lost race) built
 
 
-def remove_dir(path: Path) -> None:
-    """Remove a directory so that a kill midway never leaves a part of it under its name: renamed first."""
+def remove_dir(path: Path, kind: str, legacy: tuple[str, ...] = ()) -> None:
+    """Remove a directory the pipeline published as `kind` (NotOurs otherwise), so that a kill midway never
+    leaves a part of it under its name: renamed first."""
     path = Path(path)
+    check_replaceable(path, kind, legacy)
     trash = trash_path(path)
     shutil.rmtree(trash, ignore_errors=True)
     os.rename(path, trash)

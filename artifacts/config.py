@@ -344,6 +344,8 @@ class ExportConfig:
     # k written into the speculators config and decoded by verify
     num_speculative_tokens: int = checked(3, POSITIVE)
     verify: bool = False  # prove it in vLLM: load + generate, then acceptance parity with the reference
+    # replace a verified export with one that is not (export.verify=false): refused without it
+    replace_verified: bool = False
     # held-out prompts (the cache's eval split, first user turn) both decode
     verify_num_prompts: int = checked(8, POSITIVE)
     verify_max_new_tokens: int = checked(64, POSITIVE)  # tokens generated per prompt

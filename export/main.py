@@ -28,7 +28,7 @@ from artifacts.errors import stage_errors
 from artifacts.prompts import held_out_prompts, stop_token_ids
 from artifacts.run_lock import holds_run_dir
 from export.card import write_model_card
-from export.record import record_export, unproven_dir
+from export.record import RECORD, read_record, record_export, unproven_dir
 from export.sglang_trees import run_trees
 from export.to_sglang import for_sglang
 from export.to_vllm import export_format, export_head
@@ -40,10 +40,48 @@ from target.reaper import leash
 log = logging.getLogger("export")
 
 
+def check_destination(cfg, out_dir: Path, protected: dict[str, Path]) -> dict | None:
+    """Refuse, before anything is built, an export.out_dir whose publication would remove what export did
+    not write: the run directory or a directory above it, the head, the cache or the target, or anything
+    inside those three, and an existing directory that is not an export of this pipeline
+    (atomic.check_replaceable); a verified export is replaced by an unverified one only with
+    export.replace_verified=true. `protected`: {what: directory}, the run directory first (an export inside
+    it is the default). The export there now (its record), or None."""
+    for what, path in protected.items():
+        path = Path(path).resolve()
+        if out_dir == path:
+            where = "at"
+        elif path.is_relative_to(out_dir):
+            where = "above"
+        elif out_dir.is_relative_to(path) and what != "the run directory":
+            where = "inside"
+        else:
+            continue
+        raise atomic.NotOurs(
+            f"export.out_dir={out_dir} is {where} {what} ({path}): publishing there would replace what "
+            "export did not write; refused, nothing was moved or removed. Name a new directory"
+        )
+    for directory in (out_dir, unproven_dir(out_dir)):
+        atomic.check_replaceable(directory, "export", (RECORD,))
+    previous = read_record(out_dir)
+    if previous and previous.get("verified") and not cfg.export.verify and not cfg.export.replace_verified:
+        refuse(
+            "export.verify",
+            False,
+            f"true: {out_dir} holds a verified export, which an unverified one would replace (or set "
+            "export.replace_verified=true to replace it anyway)",
+        )
+    return previous
+
+
+def cache_dir(record: HeadRecord, run_dir: Path) -> Path:
+    """The cache the head was trained on (its held-out split gives the verification prompts)."""
+    return Path(record.cache.get("path") or run_dir / "cache").resolve()
+
+
 def verification_prompts(cfg, tokenizer, record: HeadRecord, run_dir: Path) -> list[list[int]]:
     """The first user turns of the cache's held-out conversations, chat-templated for the target."""
-    cache_dir = Path(record.cache.get("path") or run_dir / "cache")
-    return held_out_prompts(cache_dir, tokenizer, cfg.export.verify_num_prompts)
+    return held_out_prompts(cache_dir(record, run_dir), tokenizer, cfg.export.verify_num_prompts)
 
 
 @holds_run_dir("export")
@@ -52,8 +90,8 @@ def run(cfg: DictConfig) -> dict:
     check_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     run_dir = Path(cfg.run_dir).resolve()
-    head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")
-    out_dir = Path(cfg.export.out_dir or run_dir / "export")
+    head_dir = Path(cfg.export.head_dir or run_dir / "draft_head").resolve()
+    out_dir = Path(cfg.export.out_dir or run_dir / "export").resolve()
     # Checksums, finite and sane weights: a corrupt head is not exported (export_head reuses what is read);
     # a head without checksums only with export.allow_unverified_head.
     atomic.recover_dir(head_dir)  # a train killed while publishing the head left the old one aside
@@ -65,6 +103,9 @@ def run(cfg: DictConfig) -> dict:
             f"one of {record.trained_ks}, the k {head_dir} was trained to draft (docs/dflash.md#served-k)",
         )
     target_path = target_dir(cfg.target)
+    protected = {"the run directory": run_dir, "the head": head_dir, "the cache": run_dir / "cache",
+                 "the head's cache": cache_dir(record, run_dir), "the target": Path(target_path)}  # fmt: skip
+    previous = check_destination(cfg, out_dir, protected)
     target_config = load_config(cfg.target)
     recorded = record.target.get("hash")
     if recorded and recorded != weights_hash(target_path):
@@ -144,8 +185,13 @@ def run(cfg: DictConfig) -> dict:
             f"{failure}\n{kept}; the unproven export, with its card and verification.json, is at {staging}",
             failure.report,
         )
-    atomic.finish_publish(staging, out_dir)
-    log.info("published %s (%s)", out_dir, "verified" if cfg.export.verify else "not verified")
+    atomic.finish_publish(staging, out_dir, kind="export", legacy=(RECORD,))
+    state = "verified" if cfg.export.verify else "not verified"
+    if previous is not None:
+        was = "verified" if previous.get("verified") else "not verified"
+        log.info("published %s (%s), replacing the export that was there (%s)", out_dir, state, was)
+    else:
+        log.info("published %s (%s)", out_dir, state)
     return {"export_dir": str(out_dir), "verification": verification}
 
 

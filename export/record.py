@@ -41,6 +41,17 @@ def record_export(export_dir: Path, verified: bool, note: str = "") -> dict:
     return record
 
 
+def read_record(export_dir: Path) -> dict | None:
+    """The export's record, or None where there is none; a record that cannot be read is named."""
+    record_file = Path(export_dir) / RECORD
+    if not record_file.exists():
+        return None
+    try:
+        return json.loads(record_file.read_text())
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{record_file}: not a readable export record ({error}); rerun export") from error
+
+
 def check_export(export_dir: Path) -> dict | None:
     """Refuse, naming the file, an export whose files are missing, changed or unreadable; returns its record
     (None for an export written elsewhere, without one: then its weights are still opened)."""
@@ -50,7 +61,7 @@ def check_export(export_dir: Path) -> dict | None:
         hint = f" (an unverified one is at {unproven})" if unproven.exists() else ""
         raise ValueError(f"{export_dir}: no export there{hint}; run export/main.py")
     record_file = export_dir / RECORD
-    record = json.loads(record_file.read_text()) if record_file.exists() else None
+    record = read_record(export_dir)
     for name, expected in (record or {}).get("files", {}).items():
         path = export_dir / name
         if not path.exists():

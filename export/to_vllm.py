@@ -315,7 +315,8 @@ def export_head(
             sglang = eagle1_sglang_files(config, weights)
     if record.trained_ks is not None:  # for eval and readers; vLLM and speculators ignore the key
         config[TRAINED_KS] = record.trained_ks
-    with atomic.publish_dir(out_dir) as tmp:  # the old export stays whole until this one replaces it
+    # The old export stays whole until this one replaces it; only an export is ever replaced.
+    with atomic.publish_dir(out_dir, kind="export", legacy=("export_record.json",)) as tmp:
         write_engine_files(tmp, config, weights)
         if sglang is not None:  # EAGLE-1 for SGLang: a directory of its own (export/to_sglang.py)
             write_engine_files(tmp / SGLANG_DIR, *sglang)

@@ -167,7 +167,7 @@ def write_head(
     """The final head, built beside `directory` and renamed into place: a crash leaves the old one whole."""
     from safetensors.torch import save_file
 
-    with atomic.publish_dir(directory) as tmp:
+    with atomic.publish_dir(directory, kind="head", legacy=(HEAD_CONFIG,)) as tmp:
         save_file(
             {k: v.detach().float().contiguous().cpu() for k, v in weights.items()},
             str(tmp / "model.safetensors"),

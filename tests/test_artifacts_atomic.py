@@ -173,8 +173,8 @@ def test_an_export_killed_at_any_step_leaves_the_old_or_the_new(tmp_path):
     shutil.copytree(pristine, reference)
     export_into(reference)()
     old, new = snapshot(pristine / "export"), snapshot(reference / "export")
-    assert old.keys() == new.keys() == {"config.json", "model.safetensors"}
-    assert all(old[name] != new[name] for name in old)
+    assert old.keys() == new.keys() == {"config.json", "model.safetensors", atomic.MARKER}
+    assert all(old[name] != new[name] for name in old if name != atomic.MARKER)
 
     def seen():  # what eval finds (it recovers an export whose publication was killed, as export does)
         atomic.recover_dir(work / "export")
@@ -210,7 +210,45 @@ def test_publish_dir_once_keeps_the_first_and_a_failed_build_leaves_nothing(tmp_
     with atomic.publish_dir(dest, once=True) as staging:  # another rank, done second: the first stays
         (staging / "weights").write_text("second")
     assert (dest / "weights").read_text() == "first"
-    with pytest.raises(RuntimeError, match="disk full"), atomic.publish_dir(tmp_path / "export") as staging:
+    with (
+        pytest.raises(RuntimeError, match="disk full"),
+        atomic.publish_dir(tmp_path / "export", kind="export") as staging,
+    ):
         (staging / "config.json").write_text("{}")
         raise RuntimeError("disk full")
     assert sorted(os.listdir(tmp_path)) == ["target"]
+
+
+def test_only_a_directory_the_pipeline_published_as_that_kind_is_replaced_or_removed(tmp_path):
+    """A user's folder, another kind's directory, a file: refused by name, untouched; an empty folder and a
+    directory of the same kind (marked, or written before markers: a legacy file) are replaced."""
+    user = tmp_path / "notes"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    with pytest.raises(atomic.NotOurs, match=f"{user} was not published as an export here: refused"):
+        with atomic.publish_dir(user, kind="export") as staging:
+            (staging / "config.json").write_text("{}")
+    with pytest.raises(atomic.NotOurs, match="refused"):
+        atomic.remove_dir(user, kind="checkpoint")
+    assert (user / "notes.txt").read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["notes"]
+    head = tmp_path / "head"
+    with atomic.publish_dir(head, kind="head") as staging:
+        (staging / "draft_config.json").write_text("{}")
+    with pytest.raises(atomic.NotOurs, match="is the pipeline's head, not an export"):
+        atomic.check_replaceable(head, "export")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(atomic.NotOurs, match="exists and is not a directory"):
+        atomic.check_replaceable(tmp_path / "file", "export")
+    legacy = tmp_path / "old_export"
+    legacy.mkdir()
+    (legacy / "export_record.json").write_text("{}")
+    for dest in (legacy, tmp_path / "empty"):
+        dest.mkdir(exist_ok=True)
+        with atomic.publish_dir(dest, kind="export", legacy=("export_record.json",)) as staging:
+            (staging / "config.json").write_text("{}")
+        assert atomic.published_kind(dest) == "export" and sorted(os.listdir(dest)) == [
+            atomic.MARKER,
+            "config.json",
+        ]
+    atomic.remove_dir(legacy, kind="export")
+    assert not legacy.exists()

@@ -6,6 +6,7 @@ runs are tests/test_export_vllm.py)."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig
@@ -111,3 +112,72 @@ def test_an_export_without_a_record_still_has_its_weights_opened(smoke_head, tmp
     with pytest.raises(ValueError, match="not a readable safetensors file") as raised:
         check_export(export_dir)
     assert str(weights) in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "destination",
+    ["{run}", "{run}/draft_head", "{run}/cache", "{run}/draft_head/export", "{run}/..", "{other}"],
+)
+def test_export_never_replaces_what_it_did_not_write(smoke_head, tmp_path, destination):
+    """export.out_dir at the run directory, the head, the cache, inside them, above them, or at a user's
+    folder: refused by name before anything is built, and every file there is as it was (issue 46: export
+    used to rename the directory aside and remove it, whatever it was)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_head, run_dir)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "head_v1.txt").write_text("mine")
+    def files():  # but the stage's own run lock
+        return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
+
+    before = files()
+    out_dir = destination.format(run=run_dir, other=other)
+    with pytest.raises(ValueError, match="refused, nothing was moved or removed") as raised:
+        export_main.run(smoke_config(run_dir, "export.format=plain", f"export.out_dir={out_dir}"))
+    assert str(Path(out_dir).resolve()) in str(raised.value)
+    assert files() == before
+
+
+def test_an_export_directory_is_replaced_only_by_an_export_and_an_empty_one_is_used(smoke_head, tmp_path):
+    """An empty directory holds nothing to lose: export publishes into it; the next export replaces it (its
+    marker says export); a checkpoint directory (the pipeline's, another kind) is refused."""
+    from artifacts import atomic
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_head, run_dir)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_main.run(smoke_config(run_dir, "export.format=plain", f"export.out_dir={empty}"))
+    assert atomic.published_kind(empty) == "export" and (empty / "config.json").exists()
+    export_main.run(smoke_config(run_dir, "export.format=speculators", f"export.out_dir={empty}"))
+    assert "speculators_model_type" in (empty / "config.json").read_text()
+    checkpoint = run_dir / "checkpoints" / "step-000004"
+    with atomic.publish_dir(checkpoint, kind="checkpoint") as staging:  # as train publishes one
+        (staging / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ValueError, match="is the pipeline's checkpoint, not an export: refused"):
+        export_main.run(smoke_config(run_dir, f"export.out_dir={checkpoint}"))
+
+
+def test_a_verified_export_is_replaced_by_an_unverified_one_only_when_asked(smoke_head, tmp_path, caplog):
+    """export.verify=false over a verified export: refused, naming export.replace_verified; with it, replaced,
+    and the log says what was there."""
+    run_dir, _ = published(smoke_head, tmp_path)
+    record_file = run_dir / "export" / RECORD
+    record = json.loads(record_file.read_text())
+    record_file.write_text(json.dumps({**record, "verified": True}))  # as a verified export records itself
+    before = {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()}
+    with pytest.raises(ValueError, match="holds a verified export.*export.replace_verified=true"):
+        export_main.run(smoke_config(run_dir, "export.format=plain"))
+    assert {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()} == before
+    with caplog.at_level("INFO", logger="export"):
+        export_main.run(smoke_config(run_dir, "export.format=plain", "export.replace_verified=true"))
+    assert "replacing the export that was there (verified)" in caplog.text
+    assert json.loads(record_file.read_text())["verified"] is False
+
+
+def test_a_truncated_export_record_is_named_with_what_to_do(smoke_head, tmp_path):
+    run_dir, _ = published(smoke_head, tmp_path)
+    record_file = run_dir / "export" / RECORD
+    record_file.write_text(record_file.read_text()[:20])
+    with pytest.raises(ValueError, match=f"{record_file}: not a readable export record .*rerun export"):
+        check_export(run_dir / "export")

@@ -80,7 +80,7 @@ def save_checkpoint(
     final = ckpt_dir / f"step-{step:06d}"
     tmp = atomic.staging_path(final)  # the same on every rank: each writes its part into it
     if accelerator.is_main_process:
-        atomic.begin_publish(final)
+        atomic.begin_publish(final, kind="checkpoint", legacy=(STATE_FILE,))
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
@@ -92,9 +92,9 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         atomic.write_json(tmp / STATE_FILE, {"step": step, "epoch": epoch, "settings": settings})
-        atomic.finish_publish(tmp, final)
+        atomic.finish_publish(tmp, final, kind="checkpoint", legacy=(STATE_FILE,))
         for old in checkpoint_dirs(ckpt_dir)[:-keep_last]:
-            atomic.remove_dir(old)
+            atomic.remove_dir(old, kind="checkpoint", legacy=(STATE_FILE,))
     accelerator.wait_for_everyone()
     return final
 
