@@ -19,7 +19,7 @@ from artifacts import atomic
 from artifacts.cache import file_sha256
 from data_prep.render import render_conversation
 from target.launch import engine_devices
-from target.vllm import EngineSettings, llm_kwargs
+from target.vllm import EngineSettings, start_llm
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +36,12 @@ def regen_settings(cfg) -> dict:
 
 def start_engine(target_path: str, cfg, device_index: int | None = None):
     """The plain regeneration engine (`capture.engine=hf`: the states are computed afterwards)."""
-    from vllm import LLM
-
     # No counters to read here: the offline engine keeps its stats off, as it does by default.
     settings = EngineSettings(
         target_path, None, dict(cfg.vllm_kwargs), "regen.vllm_kwargs", seed=cfg.seed, log_stats=False
     )
     with engine_devices(device_index):  # the engine's processes start on this rank's GPU
-        return LLM(**llm_kwargs(settings))
+        return start_llm(settings)
 
 
 def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, sink=None):

@@ -56,7 +56,7 @@ def vllm_acceptance(
     import vllm
 
     from export.to_vllm import speculative_config as make_speculative_config
-    from target.vllm import EngineSettings, llm_kwargs
+    from target.vllm import EngineSettings, start_llm
 
     speculative_config = make_speculative_config(kind, str(export_dir), num_draft_tokens)
     # log_stats (the default): the acceptance counters, which vLLM's offline engine turns off unless told.
@@ -64,7 +64,7 @@ def vllm_acceptance(
         str(target_dir), speculative_config, dict(vllm_kwargs or {}), "export.vllm_kwargs", dtype=dtype
     )
     try:
-        llm = vllm.LLM(**llm_kwargs(settings))
+        llm = start_llm(settings)
     except Exception as error:
         raise VerificationError(
             f"vLLM {vllm.__version__} refused the export {export_dir} (speculative_config="

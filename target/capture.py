@@ -215,9 +215,7 @@ class CaptureEngine:
         self.llm = None
 
     def __enter__(self) -> CaptureEngine:
-        from vllm import LLM
-
-        from target.vllm import llm_kwargs
+        from target.vllm import start_llm
 
         shutil.rmtree(self.storage_dir, ignore_errors=True)
         self.storage_dir.mkdir(parents=True)
@@ -227,7 +225,7 @@ class CaptureEngine:
             self.reader.setup()
             rank, count = self.devices or (None, 1)
             with engine_devices(rank, count):
-                self.llm = LLM(**llm_kwargs(self.settings))
+                self.llm = start_llm(self.settings)
         except BaseException:  # a failed start (no memory, a bad argument, Ctrl-C) leaves no scratch files
             self.__exit__(None, None, None)
             raise

@@ -7,7 +7,7 @@ served engines cannot drift apart.
 
     settings = EngineSettings(str(target_dir), speculative_config, dict(cfg.export.vllm_kwargs),
                               "export.vllm_kwargs", dtype="float32")
-    llm = vllm.LLM(**llm_kwargs(settings))                     # offline
+    llm = start_llm(settings)                                  # offline: vllm.LLM(**llm_kwargs(settings))
     served = served_settings(str(target_dir), speculative_config, cfg.eval.server_args)
     subprocess.Popen(serve_argv(served, port=8000))            # served (eval/server.py)
     printable_serve_command(served)                            # for users (export/card.py)
@@ -16,8 +16,8 @@ Names are vLLM's engine arguments, written either way in a config (`max_model_le
 offline they are keywords with underscores, served they are `--flags` with dashes, with the same values.
 What the pipeline sets itself (the target, the head, the dtype, the seed, the counters, the port) may not
 also come from the user's extra arguments: a second value would be silently dropped by one side or the
-other, so it is a ValueError naming the setting. vLLM itself is never imported here: this only builds
-arguments.
+other, so it is a ValueError naming the setting. vLLM itself is imported here only to start an offline
+engine (`start_llm`: an interrupt during its start-up stops it, which vLLM alone does not guarantee).
 
 The logs: vLLM's own lines go to a file, so the console keeps the pipeline's progress bars and summaries.
 vLLM configures its `vllm` logger when it is imported, and each engine-core process it spawns does the same
@@ -27,7 +27,7 @@ error the log's path is printed and the root cause found in it (`root_cause`: vL
 "See root cause above") is added to the error's message.
 
     with vllm_log_file(run_dir / "logs" / "export_verify.log"):
-        llm = vllm.LLM(**llm_kwargs(settings))
+        llm = start_llm(settings)
 """
 
 from __future__ import annotations
@@ -156,6 +156,63 @@ def llm_kwargs(settings: EngineSettings) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM(...)` for `settings`."""
     vllm_version()  # every engine's arguments pass here (or serve_argv): one vLLM installed, not two
     return {**{argument_name(k): v for k, v in settings.extra.items()}, **settings.pipeline_arguments()}
+
+
+# How often an interrupt is raised again while vLLM's engine starts (`start_llm`).
+RERAISE_S = 0.5
+
+
+@contextmanager
+def interrupts_kept():
+    """An interrupt inside the block (Ctrl-C; SIGTERM and SIGHUP, which the stages turn into one) is raised
+    again every RERAISE_S until it leaves the block, and once more after it if the block swallowed them all.
+
+    vLLM 0.32's engine start-up catches a KeyboardInterrupt and goes on (`zmq_socket_ctx` in
+    vllm/utils/network_utils.py, around the wait for the engine's handshake), then waits up to
+    VLLM_ENGINE_READY_TIMEOUT_S for an engine that the same Ctrl-C, sent to the whole process group, has
+    stopped: Ctrl-C during the start would hang for minutes, or be lost. Main thread only (elsewhere: as
+    is)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupted: list[str] = []
+
+    def interrupt(signum, frame):
+        if signum != signal.SIGALRM and not interrupted:
+            interrupted.append("" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
+            signal.setitimer(signal.ITIMER_REAL, RERAISE_S, RERAISE_S)
+        if interrupted:
+            raise KeyboardInterrupt(interrupted[0])
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
+    previous = {signum: signal.signal(signum, interrupt) for signum in signals}
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if interrupted:
+        raise KeyboardInterrupt(interrupted[0])
+
+
+def start_llm(settings: EngineSettings):
+    """`vllm.LLM(**llm_kwargs(settings))`, stopped by an interrupt during its start (`interrupts_kept`): an
+    engine that started anyway is shut down before the interrupt goes on."""
+    import vllm
+
+    llm = None
+    try:
+        with interrupts_kept():
+            llm = vllm.LLM(**llm_kwargs(settings))
+    except KeyboardInterrupt:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        raise
+    return llm
 
 
 def flag(name: str, value: Any) -> list[str]:

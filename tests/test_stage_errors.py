@@ -1,10 +1,16 @@
 """Every failure says its cause: vLLM's root cause quoted from its log (the engine's own error says only "See
 root cause above"), a full disk with what to do, an unwritable directory or an interrupt as one line
-instead of a traceback (artifacts/errors.py), and a render.max_length that leaves nothing named."""
+instead of a traceback (artifacts/errors.py), an interrupt during vLLM's engine start that returns, and a
+render.max_length that leaves nothing named."""
 
+import contextlib
 import errno
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -115,10 +121,59 @@ def test_a_run_dir_the_stage_may_not_write_is_one_line(subprocess_env):
 
 
 def test_a_max_length_that_leaves_nothing_names_the_setting(smoke_target_dir, tmp_path):
-    import shutil
-
     from data_prep.main import run
 
     shutil.copytree(smoke_target_dir, tmp_path / "smoke_target")
     with pytest.raises(ValueError, match=r"within render.max_length=1 .*raise render.max_length"):
         run(smoke_config(tmp_path, "render.max_length=1"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_the_verification_engine_starts_returns_and_leaves_nothing(
+    smoke_head, tmp_path, subprocess_env, signum
+):
+    """Ctrl-C to the process group (or SIGTERM to export alone) while vLLM's engine is starting: export says
+    its one line within seconds and nothing of its process group is left running. vLLM 0.32 swallows the
+    interrupt in that wait and then waited minutes for the engine the same Ctrl-C had stopped
+    (target/vllm.py interrupts_kept; issue 46)."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_head, run_dir)
+    command = [sys.executable, "export/main.py", "experiment=smoke", f"run_dir={run_dir}", "export.verify=true",
+               "export.format=plain"]  # fmt: skip
+    export = subprocess.Popen(command, cwd=REPO, env=subprocess_env, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    log = run_dir / "logs" / "export_verify.log"
+    deadline = time.monotonic() + 240
+    # The engine's configuration is logged just before its process starts; then its start-up, ~10 s here.
+    while "Enabled custom fusions" not in (log.read_text() if log.exists() else ""):
+        assert export.poll() is None and time.monotonic() < deadline, export.stderr.read()[-3000:]
+        time.sleep(0.2)
+    time.sleep(2)
+    group = [p for p in psutil.process_iter() if p.pid != export.pid and safe_pgid(p.pid) == export.pid]
+    assert group, "the engine's process should be starting"
+    if signum == signal.SIGINT:
+        os.killpg(export.pid, signum)  # Ctrl-C in a terminal reaches the whole foreground group
+    else:
+        export.send_signal(signum)
+    start = time.monotonic()
+    try:
+        _, stderr = export.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(export.pid, signal.SIGKILL)
+    assert time.monotonic() - start < 30
+    assert export.returncode == 130
+    line = "export: interrupted; rerun" if signum == signal.SIGINT else "export: stopped by SIGTERM"
+    # Export's own last word (the engine's spawned process, caught at its start, may print its own).
+    assert stderr.strip().splitlines()[-1].startswith(line)
+    time.sleep(1)
+    assert not [p.pid for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def safe_pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
