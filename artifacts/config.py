@@ -60,7 +60,15 @@ HEAD_KINDS = ("eagle3", "peagle", "dflash", "eagle1")  # heads/kinds.py's KINDS 
 RESUME = Check(
     lambda v: str(v).lower() in ("never", "always", "auto", "true", "false"), "never, always (true) or auto"
 )
-POSITIVE_LIST = Check(lambda v: bool(v) and all(x > 0 for x in v), "a non-empty list of values > 0")
+POSITIVE_LIST = Check(
+    lambda v: bool(v) and all(x > 0 for x in v) and len(set(v)) == len(v),
+    "a non-empty list of distinct values > 0",
+)
+# vLLM's sampling accepts temperatures in [0, 2]; each swept value is measured (and resumed) once.
+TEMPERATURES = Check(
+    lambda v: bool(v) and all(0 <= t <= 2 for t in v) and len(set(v)) == len(v),
+    "a non-empty list of distinct values in [0, 2] (vLLM serves temperatures up to 2)",
+)
 
 
 # train.loss's divergences (train/objectives.py computes them) and its grammar: one name, or a weighted sum.
@@ -171,7 +179,7 @@ class RenderConfig:
 @dataclass
 class RegenConfig:
     enabled: bool = False  # replace every assistant turn with the target's own answer (vLLM, offline API)
-    temperature: float = checked(0.0, NON_NEGATIVE)  # 0 = greedy
+    temperature: float = checked(0.0, within(0, 2))  # 0 = greedy (vLLM samples up to 2)
     top_p: float = checked(1.0, within(0, 1, low_closed=False))  # nucleus sampling when temperature > 0
     max_new_tokens: int = checked(512, POSITIVE)  # cap on each regenerated turn
     seed: int = 0  # sampling seed (vLLM per-request seeds derive from it)
@@ -393,10 +401,7 @@ class EvalConfig:
     offline: bool = False  # no vLLM: acceptance only, from the reference decoder on the exported heads
     # the sampling temperatures swept, each request at one (0: greedy); with several, each workload is
     # reported and recommended per temperature ("chat T=1")
-    temperature: list[float] = checked(
-        factory=lambda: [0.0],
-        check=Check(lambda v: bool(v) and all(t >= 0 for t in v), "a non-empty list of values >= 0"),
-    )
+    temperature: list[float] = checked(factory=lambda: [0.0], check=TEMPERATURES)
     ignore_eos: bool = False  # generate max_tokens even past the end of an answer
     enable_threshold: float = checked(1.05, POSITIVE)  # recommend a head where its best speedup reaches this
     serve_schedule: bool = True  # serve each recommended per-batch-size k schedule once and measure it
@@ -425,7 +430,7 @@ class WatchConfig:
     # verification.json, which gives no break-even or latency)
     results: str | None = None
     eval_head: str | None = None  # the head's name in those results (None: the one served from `head`)
-    temperature: float = checked(0.0, NON_NEGATIVE)  # the traffic's sampling temperature, as eval measured
+    temperature: float = checked(0.0, within(0, 2))  # the traffic's sampling temperature, as eval measured
     workload: str | None = None  # judge against this workload's measurement only (None: every workload's)
     interval_s: float = checked(60.0, POSITIVE)  # one window per interval
     # scrapes per window: the spread of its sub-windows' acceptance is the dispersion its bounds are

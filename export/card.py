@@ -35,8 +35,11 @@ def held_out_section(held_out: dict) -> list[str]:
         [k, held_out[f"eval/loss_{k}"], held_out[f"eval/acc_{k}"], held_out.get(f"eval/cond_acc_{k}", "")]
         for k in steps
     ]
+    # train/metrics.py ESTIMATES: eval/accept_len_k<k> (T=0), _t1_k<k> (T=1, vLLM's greedy drafts) and
+    # _t1_sampled_k<k> (T=1, drafts sampled: draft_sample_method=probabilistic)
+    labels = {"accept_len": "T=0", "accept_len_t1": "T=1", "accept_len_t1_sampled": "T=1 sampled drafts"}
     lengths = [
-        f"k={k.rsplit('k', 1)[1]}: {v:.3f}"
+        f"{labels.get(k.split('/')[1].rsplit('_k', 1)[0], k)} k={k.rsplit('k', 1)[1]}: {v:.3f}"
         for k, v in sorted(held_out.items())
         if k.startswith("eval/accept_len")
     ]
@@ -282,7 +285,7 @@ def sglang_section(
         return []
     sglang_dir, algorithm = Path(export_dir) / served[0].relative_to(files_dir), served[1]
     trees_file = files_dir / "sglang_trees.json"
-    settings, served_as = (k, 1, k + 1), "here as the chain of k drafts verified above"
+    settings, served_as = (k, 1, k + 1), "here as the chain of k drafts"
     if trees_file.exists():
         trees = json.loads(trees_file.read_text())
         best, chain, default = trees["recommended"], trees["chain"], trees["sglang_default"]
@@ -306,8 +309,9 @@ def sglang_section(
     )
     return [
         "",
-        f"SGLang serves {where} (`export.engine=sglang|both`, checked with SGLang's own loader: "
-        f"docs/sglang.md), {served_as}:",
+        f"SGLang serves {where} (`export.engine=sglang|both`; exports of this kind are loaded by SGLang "
+        f"0.5.23's own loader in this project's test suite, not by this export run: docs/sglang.md), "
+        f"{served_as}:",
         "",
         "```bash",
         sglang_serve_command(target, str(sglang_dir), algorithm, *settings),

@@ -158,7 +158,8 @@ def run(cfg: DictConfig) -> dict:
                 )
         except VerificationError as error:
             verification, failure = error.report, error
-        if verification is not None:
+        if verification is not None:  # where it will be read: published only when it passed
+            verification["export_dir"] = str(out_dir if failure is None else staging)
             atomic.write_json(staging / "verification.json", verification)
 
     if trees:  # SGLang's tree settings, estimated by the reference decoder

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from artifacts import atomic
@@ -76,9 +77,12 @@ def check_export(export_dir: Path) -> dict | None:
         if path.suffix == ".safetensors":
             try:
                 with safe_open(str(path), "pt") as f:
-                    f.keys()
+                    bad = [k for k in f.keys() if f.get_tensor(k).is_floating_point()
+                           and not torch.isfinite(f.get_tensor(k)).all()]  # fmt: skip
             except (SafetensorError, OSError) as error:
                 raise ValueError(
                     f"{path}: not a readable safetensors file ({error}); rerun export"
                 ) from error
+            if bad:  # export's own reader refuses these too; an export written elsewhere is checked here
+                raise ValueError(f"{path}: {', '.join(bad[:3])} hold NaN or inf values; rerun export")
     return record

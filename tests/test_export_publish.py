@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import export.main as export_main
@@ -108,6 +110,13 @@ def test_an_export_without_a_record_still_has_its_weights_opened(smoke_head, tmp
     (export_dir / RECORD).unlink()  # written by another trainer, or before records
     assert check_export(export_dir) is None
     weights = export_dir / "model.safetensors"
+    tensors = load_file(weights)
+    save_file(
+        {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in tensors.items()},
+        weights,
+    )
+    with pytest.raises(ValueError, match="hold NaN or inf values; rerun export"):  # export refuses them too
+        check_export(export_dir)
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="not a readable safetensors file") as raised:
         check_export(export_dir)
@@ -127,6 +136,7 @@ def test_export_never_replaces_what_it_did_not_write(smoke_head, tmp_path, desti
     other = tmp_path / "notes"
     other.mkdir()
     (other / "head_v1.txt").write_text("mine")
+
     def files():  # but the stage's own run lock
         return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
 
@@ -181,3 +191,19 @@ def test_a_truncated_export_record_is_named_with_what_to_do(smoke_head, tmp_path
     record_file.write_text(record_file.read_text()[:20])
     with pytest.raises(ValueError, match=f"{record_file}: not a readable export record .*rerun export"):
         check_export(run_dir / "export")
+
+
+def test_the_card_labels_each_estimate_by_temperature_and_claims_no_check_export_did_not_run():
+    """Nine estimates (T=0, T=1 with greedy and with sampled drafts, k=1..3) each with its temperature; the
+    SGLang line says the loader check is the test suite's, and an unverified export is not 'verified above'."""
+    from export.card import held_out_section, sglang_section
+
+    held_out = {"step": 4, "eval/acc_0": 0.5, "eval/loss_0": 1.0}
+    for prefix in ("accept_len", "accept_len_t1", "accept_len_t1_sampled"):
+        held_out |= {f"eval/{prefix}_k{k}": 1 + k / 10 for k in (1, 2, 3)}
+    line = held_out_section(held_out)[-1]
+    for label in ("T=0 k=1: 1.100", "T=1 k=3: 1.300", "T=1 sampled drafts k=2: 1.200"):
+        assert label in line
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {}}
+    text = "\n".join(sglang_section(config, "target", "/runs/x/export", 3))
+    assert "in this project's test suite, not by this export run" in text and "verified above" not in text
