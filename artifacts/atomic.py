@@ -17,7 +17,7 @@ recognised by a file only that kind writes (`legacy`), and an empty directory ho
     from artifacts import atomic
     atomic.write_json(run_dir / "results.json", results)
     with atomic.publish_dir(run_dir / "export", kind="export") as staging:
-        save_file(weights, str(staging / "model.safetensors"))
+        atomic.save_tensors(weights, staging / "model.safetensors")
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,10 +58,30 @@ def save(path: Path, write: Callable[[Path], Any]) -> Path:
         write(tmp)
         fsync_path(tmp)
         os.replace(tmp, path)
+    except OSError as error:
+        if error.filename is not None or error.errno is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error  # a write's error names no file
     finally:
         tmp.unlink(missing_ok=True)  # only when `write` failed: a replaced file is gone already
     fsync_path(path.parent)
     return path
+
+
+def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> Path:
+    """safetensors' save_file, whose OS errors (a full or read-only disk) become the OSError they are, with
+    the path: the stages say those in one line (artifacts/errors.py); SafetensorError is not an OSError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as error:
+        code = re.search(r"\(os error (\d+)\)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from error
+    return Path(path)
 
 
 def remove_tmp_files(path: Path) -> None:

@@ -73,7 +73,7 @@ TEMPERATURES = Check(
 
 # train.loss's divergences (train/objectives.py computes them) and its grammar: one name, or a weighted sum.
 DIVERGENCES = ("kl", "rkl", "tv", "nla", "lk")
-_LOSS_TERM = re.compile(r"^\s*(?:(\d+(?:\.\d*)?|\.\d+)\s*\*\s*)?([a-z]+)\s*$")
+_LOSS_TERM = re.compile(r"^\s*(?:((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*\*\s*)?([a-z]+)\s*$")
 
 
 def loss_terms(spec: str) -> tuple[tuple[str, float], ...]:
@@ -95,10 +95,8 @@ def loss_terms(spec: str) -> tuple[tuple[str, float], ...]:
 
 
 def _is_loss(spec) -> bool:
-    try:
-        return bool(loss_terms(spec))
-    except ValueError:
-        return False
+    """train.loss's check: loss_terms' own error, which names the term at fault, not a generic one."""
+    return bool(loss_terms(spec))
 
 
 # ShareGPT dumps name the assistant after the product that answered; all of them are the assistant.

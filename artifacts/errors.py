@@ -1,6 +1,6 @@
 """What a stage's command prints when it stops for a reason outside the code: one line that names the cause,
 the file, and what to do - not a traceback. Interrupts (Ctrl-C; SIGTERM and SIGHUP, which the stages turn
-into one: target/reaper.py), a directory it may not write, a full disk. Every other error keeps its
+into one: target/reaper.py), a directory it may not write (permissions, a read-only mount), a full disk. Every other error keeps its
 traceback.
 
     @hydra.main(config_path="../conf", config_name="config", version_base=None)
@@ -22,13 +22,13 @@ def explain(stage: str, error: BaseException, rerun: str = RESUMES) -> str | Non
     continues. An interrupt that carries its own message (train's, after its checkpoint) keeps it."""
     if isinstance(error, KeyboardInterrupt):
         return f"{stage}: {error}" if str(error) else f"{stage}: interrupted; {rerun}"
-    if isinstance(error, PermissionError):
+    if isinstance(error, PermissionError) or (isinstance(error, OSError) and error.errno == errno.EROFS):
         return (
             f"{stage}: may not write {error.filename} ({error.strerror}): choose a run_dir (or cache.dir, "
-            "export.out_dir, eval.out_dir) this user can write, or fix the permissions"
+            "export.out_dir, eval.out_dir) this user can write, or fix the permissions or the mount"
         )
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        where = error.filename or "the run directory"
+        where = error.filename or "the directories it writes (run_dir, export.out_dir, eval.out_dir)"
         return f"{stage}: no space left on the disk of {where}: free space, then {rerun}"
     return None
 

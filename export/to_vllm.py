@@ -49,7 +49,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from artifacts import atomic
 from artifacts.config import sglang_refusal
@@ -326,7 +326,7 @@ def export_head(
 def write_engine_files(directory: Path, config: dict, weights: dict[str, torch.Tensor]) -> None:
     """config.json and model.safetensors, what an engine reads, into `directory` (created)."""
     directory.mkdir(exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+    atomic.save_tensors({k: v.contiguous() for k, v in weights.items()}, directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

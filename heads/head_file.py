@@ -165,12 +165,10 @@ def write_head(
     directory: Path, record: HeadRecord, weights: dict[str, torch.Tensor], vocab_file: Path
 ) -> None:
     """The final head, built beside `directory` and renamed into place: a crash leaves the old one whole."""
-    from safetensors.torch import save_file
 
     with atomic.publish_dir(directory, kind="head", legacy=(HEAD_CONFIG,)) as tmp:
-        save_file(
-            {k: v.detach().float().contiguous().cpu() for k, v in weights.items()},
-            str(tmp / "model.safetensors"),
+        atomic.save_tensors(
+            {k: v.detach().float().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors"
         )
         shutil.copy(vocab_file, tmp / "vocab.safetensors")
         record = dataclasses.replace(record, files={name: file_sha256(tmp / name) for name in HEAD_FILES})

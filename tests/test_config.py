@@ -229,11 +229,28 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
             "eval.workloads=[{name: w, source: chat}, {name: w, source: code}]",
             "eval.workloads[].name=['w', 'w']",
         ),
-        ("train.loss=kll", "train.loss=kll: must be one of kl, rkl, tv, nla, lk or a weighted sum"),
-        ("train.loss='0.5*kl+0.5*jsd'", "train.loss=0.5*kl+0.5*jsd: must be one of kl, rkl, tv, nla, lk"),
+        ("train.loss=kll", "train.loss='kll': 'kll' is not a term; want one of kl, rkl, tv, nla, lk"),
+        ("train.loss='0.5*kl+0.5*jsd'", "train.loss='0.5*kl+0.5*jsd': '0.5*jsd' is not a term"),
+        ("train.loss=0*kl", "train.loss='0*kl': each divergence at most once, and some weight > 0"),
+        ("train.loss=kl+kl", "train.loss='kl+kl': each divergence at most once"),
         ("train.lk_eta=-1", "train.lk_eta=-1.0: must be >= 0"),
         ("head.position_weights=pace", "head.position_weights=pace: must be one of decay, dpace"),
-        ("eval.temperature=[-1]", "eval.temperature=[-1.0]: must be a non-empty list of values >= 0"),
+        (
+            "eval.temperature=[-1]",
+            "eval.temperature=[-1.0]: must be a non-empty list of distinct values in [0, 2]",
+        ),
+        (
+            "eval.temperature=[3]",
+            "eval.temperature=[3.0]: must be a non-empty list of distinct values in [0, 2]",
+        ),
+        (
+            "eval.temperature=[0,0]",
+            "eval.temperature=[0.0, 0.0]: must be a non-empty list of distinct values",
+        ),
+        (
+            "eval.concurrency=[1,1]",
+            "eval.concurrency=[1, 1]: must be a non-empty list of distinct values > 0",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_any_stage_works_naming_the_key(tmp_path, override, message):

@@ -110,6 +110,7 @@ def test_dpace_weights_by_hand():
 def test_loss_grammar_names_the_term_at_fault():
     assert loss_terms("kl") == (("kl", 1.0),) and parse_objective("kl") == KL
     assert loss_terms(" 0.1 * kl + .9*tv ") == (("kl", 0.1), ("tv", 0.9))
+    assert loss_terms("1e-3*kl+tv") == (("kl", 1e-3), ("tv", 1.0))
     for bad, fault in (("kll", "'kll' is not a term"), ("kl+0.5*jsd", "'0.5\\*jsd' is not a term"),
                        ("kl+kl", "at most once"), ("0*tv", "some weight > 0")):  # fmt: skip
         with pytest.raises(ValueError, match=fault):

@@ -177,3 +177,38 @@ def safe_pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_under_safetensors_or_a_record_is_one_line_naming_the_file(
+    tmp_path, monkeypatch, code, capsys
+):
+    """safetensors' own error (not an OSError) and a write that fails after its file opened (no file name):
+    both the OSError they are, naming the file, and one line from the stage."""
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+
+    from artifacts import atomic
+
+    def full(*args, **kwargs):
+        raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    weights = tmp_path / "export" / "model.safetensors"
+
+    @stage_errors("export")
+    def main():
+        atomic.save_tensors({"w": torch.zeros(2)}, weights)
+
+    with pytest.raises(SystemExit):
+        main()
+    line = capsys.readouterr().err.strip()
+    assert str(weights) in line and "Traceback" not in line
+
+    def write(tmp):
+        raise OSError(code, os.strerror(code))  # as a flush on a full disk raises it: no file name
+
+    with pytest.raises(OSError) as raised:
+        atomic.save(tmp_path / "export_record.json", write)
+    assert raised.value.filename == str(tmp_path / "export_record.json")
