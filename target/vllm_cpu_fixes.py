@@ -13,8 +13,9 @@ rejected one) from a garbage distribution: the served text is not the target's d
 acceptance collapses. Measured before this repair (eval/sampling_check.py, docs/design.md#objectives):
 the target copying a paragraph at T=1 with ngram drafts, position 1 accepted 9% and position 2 never
 (T=0: 100% and 87%).
-Greedy requests never reach that code (`all_greedy` returns first), so T=0 and export verification were
-unaffected. GPU builds run the Triton kernel itself, which is correct.
+A batch of greedy requests only never reaches that code (`all_greedy` returns first), so export
+verification and runs at T=0 alone were unaffected; a greedy request batched with sampled ones was (its
+argmax is taken after the division). GPU builds run the Triton kernel itself, which is correct.
 """
 
 from __future__ import annotations
