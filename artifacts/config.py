@@ -337,8 +337,9 @@ class ExportConfig:
     head_dir: str | None = None  # the trained head to export (None: <run_dir>/draft_head)
     out_dir: str | None = None  # where the export goes (None: <run_dir>/export)
     allow_unverified_head: bool = False  # export a head whose draft_config.json records no checksums
-    # EAGLE-3: speculators | plain; an EAGLE-1 head is always a plain Llama
-    format: str = checked("speculators", one_of("speculators", "plain"))
+    # EAGLE-3: speculators | plain | auto (the format the engines read: speculators for export.engine=vllm,
+    # plain for sglang|both); an EAGLE-1 head is always a plain Llama
+    format: str = checked("auto", one_of("auto", "speculators", "plain"))
     # the engines that load the export as it is: vllm | sglang | both (sglang, both: an EAGLE-3 plain export
     # with SGLang's eagle_config, one directory for both engines; EAGLE-1: SGLang's directory inside vLLM's:
     # export/to_sglang.py, docs/sglang.md)
@@ -633,6 +634,14 @@ def trained_ks(head) -> list[int] | None:
     return None
 
 
+def export_format_setting(export) -> str:
+    """export.format with `auto` resolved for export.engine: speculators for vLLM alone, plain where SGLang
+    reads it too (it reads no speculators config)."""
+    if export.format != "auto":
+        return export.format
+    return "speculators" if export.engine == "vllm" else "plain"
+
+
 def sglang_refusal(kind: str, fmt: str, norm_before_residual: bool) -> tuple[str, object, str] | None:
     """(setting, value, what SGLang needs) for the first setting SGLang cannot serve, else None (the facts:
     export/to_sglang.py; checked when the config is composed and by export_head)."""
@@ -694,7 +703,9 @@ def check_combinations(cfg: DictConfig) -> None:
     if ks is not None and cfg.export.num_speculative_tokens not in ks:
         refuse("export.num_speculative_tokens", cfg.export.num_speculative_tokens, limit)
     if cfg.export.engine != "vllm":
-        refusal = sglang_refusal(cfg.head.kind, cfg.export.format, cfg.head.norm_before_residual)
+        refusal = sglang_refusal(
+            cfg.head.kind, export_format_setting(cfg.export), cfg.head.norm_before_residual
+        )
         if refusal is not None:
             refuse(*refusal)
     if cfg.head.kind == "eagle1":

@@ -23,7 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from artifacts import atomic
-from artifacts.config import check_config, refuse, register_configs
+from artifacts.config import check_config, export_format_setting, refuse, register_configs
 from artifacts.errors import stage_errors
 from artifacts.prompts import held_out_prompts, stop_token_ids
 from artifacts.run_lock import holds_run_dir
@@ -124,13 +124,13 @@ def run(cfg: DictConfig) -> dict:
         staging,
         target_config,
         cfg.export.dtype,
-        cfg.export.format,
+        export_format_setting(cfg.export),
         str(cfg.target.path),
         cfg.export.num_speculative_tokens,
         head,
         engine=cfg.export.engine,
     )
-    fmt = export_format(record.kind, cfg.export.format)
+    fmt = export_format(record.kind, export_format_setting(cfg.export))
     log.info("exported %s (%s, %s format, %s)", staging, record.kind, fmt, cfg.export.dtype)
 
     verification, failure = None, None

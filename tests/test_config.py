@@ -9,7 +9,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from artifacts.config import check_config, compose, machine_dtype, machine_precision
+from artifacts.config import check_config, compose, export_format_setting, machine_dtype, machine_precision
 from artifacts.manifest import read_manifest
 from target.model import default_aux_layer_ids
 from tests.helpers import REPO
@@ -185,7 +185,11 @@ def test_gpu_recipe(experiment, num_layers):
     assert cfg.train.loss == "lk"  # the published gain at scale (docs/recipe.md#objectives)
     assert cfg.head.position_weights == "decay"  # D-PACE: within noise for EAGLE-3 here, published for DFlash
 
-    assert cfg.export.verify and cfg.export.format == "speculators" and cfg.export.vllm_kwargs.max_model_len
+    assert (
+        cfg.export.verify
+        and export_format_setting(cfg.export) == "speculators"
+        and cfg.export.vllm_kwargs.max_model_len
+    )
     assert [list(head.num_speculative_tokens) for head in cfg.eval.heads] == [[1, 2, 3, 4, 5]]
     assert list(cfg.eval.concurrency) == [1, 2, 4, 8, 16, 32, 64] and list(cfg.eval.temperature) == [0, 1]
     assert [w.source for w in cfg.eval.workloads] == ["chat", "code"]

@@ -163,6 +163,23 @@ def test_what_sglang_cannot_serve_is_refused_when_the_config_is_composed(overrid
         check_config(compose("config", ["experiment=smoke", "export.engine=sglang", *overrides]))
 
 
+def test_the_engine_picks_the_format_it_reads_unless_the_user_set_one():
+    """export.format=auto (the default, and the recipes'): speculators for vLLM, plain where SGLang reads it;
+    on the Llama-3.1-8B recipe, export.engine=sglang is then refused only for what SGLang cannot serve."""
+    from artifacts.config import export_format_setting
+
+    for engine, fmt in [("vllm", "speculators"), ("sglang", "plain"), ("both", "plain")]:
+        cfg = compose(
+            "config", ["experiment=smoke", f"export.engine={engine}", "head.norm_before_residual=false"]
+        )
+        check_config(cfg)
+        assert export_format_setting(cfg.export) == fmt
+    with pytest.raises(ValueError, match=r"head.norm_before_residual=True: must be false"):
+        check_config(compose("config", ["experiment=llama31_8b", "run_dir=/x", "export.engine=sglang"]))
+    check_config(compose("config", ["experiment=llama31_8b", "run_dir=/x", "export.engine=sglang",
+                                    "head.norm_before_residual=false"]))  # fmt: skip
+
+
 def test_layers_sglang_cannot_capture_are_refused_at_export(eagle3_run, tmp_path):
     target_config = AutoConfig.from_pretrained(eagle3_run / "smoke_target")
     aux = read_record(eagle3_run / "draft_head").config.to_dict()["aux_layer_ids"]

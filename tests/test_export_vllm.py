@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from artifacts.atomic import MARKER
 from artifacts.prompts import stop_token_ids
 from export.main import run as export
 from export.main import verification_prompts
@@ -174,7 +175,13 @@ def test_export_stage_writes_the_model_card(trained_run):
     result = export(smoke_config(trained_run, "export.out_dir=" + str(trained_run / "card")))
     out = trained_run / "card"
     assert result == {"export_dir": str(out), "verification": None}
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md", RECORD}
+    assert {p.name for p in out.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+        RECORD,
+        MARKER,
+    }
     assert not (trained_run / "card.unverified").exists()
     card = (out / "README.md").read_text()
     head_config = json.loads((trained_run / "draft_head" / "draft_config.json").read_text())

@@ -128,7 +128,8 @@ def test_a_max_length_that_leaves_nothing_names_the_setting(smoke_target_dir, tm
         run(smoke_config(tmp_path, "render.max_length=1"))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+# SIGTERM takes the same path as SIGINT (target/vllm.py interrupts_kept): slow, to keep one real engine start.
+@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_an_interrupt_while_the_verification_engine_starts_returns_and_leaves_nothing(
     smoke_head, tmp_path, subprocess_env, signum
 ):
