@@ -1,7 +1,7 @@
 """What a stage's command prints when it stops for a reason outside the code: one line that names the cause,
 the file, and what to do - not a traceback. Interrupts (Ctrl-C; SIGTERM and SIGHUP, which the stages turn
-into one: target/reaper.py), a directory it may not write (permissions, a read-only mount), a full disk. Every other error keeps its
-traceback.
+into one: target/reaper.py), a directory it may not write (permissions, a read-only mount), a full disk.
+Every other error keeps its traceback.
 
     @hydra.main(config_path="../conf", config_name="config", version_base=None)
     @stage_errors("data_prep")

@@ -77,8 +77,8 @@ def check_export(export_dir: Path) -> dict | None:
         if path.suffix == ".safetensors":
             try:
                 with safe_open(str(path), "pt") as f:
-                    bad = [k for k in f.keys() if f.get_tensor(k).is_floating_point()
-                           and not torch.isfinite(f.get_tensor(k)).all()]  # fmt: skip
+                    tensors = ((k, f.get_tensor(k)) for k in f.keys())  # each read once
+                    bad = [k for k, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()]
             except (SafetensorError, OSError) as error:
                 raise ValueError(
                     f"{path}: not a readable safetensors file ({error}); rerun export"

@@ -54,6 +54,7 @@ from safetensors.torch import load_file
 from artifacts import atomic
 from artifacts.config import sglang_refusal
 from artifacts.vocab import load_vocab_map
+from export.record import RECORD
 from export.to_sglang import (
     SGLANG_DIR,
     check_sglang_layers,
@@ -316,7 +317,7 @@ def export_head(
     if record.trained_ks is not None:  # for eval and readers; vLLM and speculators ignore the key
         config[TRAINED_KS] = record.trained_ks
     # The old export stays whole until this one replaces it; only an export is ever replaced.
-    with atomic.publish_dir(out_dir, kind="export", legacy=("export_record.json",)) as tmp:
+    with atomic.publish_dir(out_dir, kind="export", legacy=(RECORD,)) as tmp:
         write_engine_files(tmp, config, weights)
         if sglang is not None:  # EAGLE-1 for SGLang: a directory of its own (export/to_sglang.py)
             write_engine_files(tmp / SGLANG_DIR, *sglang)
