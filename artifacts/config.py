@@ -431,13 +431,15 @@ class WatchConfig:
     eval_head: str | None = None  # the head's name in those results (None: the one served from `head`)
     temperature: float = checked(0.0, within(0, 2))  # the traffic's sampling temperature, as eval measured
     workload: str | None = None  # judge against this workload's measurement only (None: every workload's)
-    interval_s: float = checked(60.0, POSITIVE)  # one window per interval
-    # scrapes per window: the spread of its sub-windows' acceptance is the dispersion its bounds are
-    # widened by (drafts of one request are alike; eval/health.py dispersion); 1: drafts independent
-    subwindows: int = checked(10, POSITIVE)
-    windows: int = checked(0, NON_NEGATIVE)  # stop after this many windows (0: until interrupted)
-    once: bool = False  # one window, then exit 0 healthy / 1 retrain / 2 turn it off / 3 nothing to judge
-    z: float = checked(3.0, POSITIVE)  # confidence bounds: z standard errors
+    # a window per interval, lengthened while too short for its requests (eval/health.py `insufficient`)
+    interval_s: float = checked(60.0, within(0, 86400, low_closed=False))
+    # scrapes per interval: the window's request-long batches of them give the dispersion its bounds are
+    # widened by (drafts of one request are alike; eval/dispersion.py)
+    subwindows: int = checked(20, within(2, 1000))
+    windows: int = checked(0, NON_NEGATIVE)  # stop after this many judged windows (0: until interrupted)
+    # one judged window, then exit 0 healthy / 1 retrain / 2 turn it off / 3 could not judge
+    once: bool = False
+    z: float = checked(3.0, within(0, 10, low_closed=False))  # confidence bounds: z standard errors (t: docs)
     latency_margin: float = checked(0.5, NON_NEGATIVE)  # `latency` above eval's p99 x (1 + this)
     out_dir: str | None = None  # timeline.jsonl, alert rules, Grafana panel (None: <run_dir>/watch)
     traffic: str | None = None  # the served requests (OpenAI-style JSONL), for the retrain commands it prints
@@ -753,9 +755,6 @@ def check_combinations(cfg: DictConfig) -> None:
             )
         if head.method == "ngram" and head.prompt_lookup_min > head.prompt_lookup_max:
             refuse(f"eval.heads[{index}].prompt_lookup_min", head.prompt_lookup_min, "<= prompt_lookup_max")
-        own_export = head.method == "export" and head.path is None
-        if own_export and ks is not None and not set(head.num_speculative_tokens) <= set(ks):
-            refuse(f"eval.heads[{index}].num_speculative_tokens", list(head.num_speculative_tokens), limit)
 
 
 def check_config(cfg: DictConfig) -> None:

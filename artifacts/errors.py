@@ -29,7 +29,8 @@ def explain(stage: str, error: BaseException, rerun: str = RESUMES) -> str | Non
         )
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         where = error.filename or "the directories it writes (run_dir, export.out_dir, eval.out_dir)"
-        return f"{stage}: no space left on the disk of {where}: free space, then {rerun}"
+        done = "".join(f"; {note}" for note in getattr(error, "__notes__", ()))  # what the stage freed
+        return f"{stage}: no space left on the disk of {where}{done}: free space, then {rerun}"
     return None
 
 

@@ -10,7 +10,6 @@ import logging
 from pathlib import Path
 
 from artifacts import atomic
-from artifacts.config import refuse
 from export.record import check_export
 from export.to_vllm import check_head_fits_target, export_trained_ks, read_export_config, speculative_config
 from heads.kinds import head_kind
@@ -32,7 +31,7 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
                 "prompt_lookup_max": head.prompt_lookup_max,
                 "prompt_lookup_min": head.prompt_lookup_min,
             }
-            note = None
+            note, ks = None, head.num_speculative_tokens
         elif head.method == "export":
             path = Path(head.path or run_dir / "export")
             atomic.recover_dir(path)  # an export killed while publishing left the old one aside
@@ -40,10 +39,11 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
             kind, fields = read_export_config(path)
             check_head_fits_target(path, fields, target_config)
             drafting = head_kind(kind).drafting
-            check_served_ks(head, path, kind, fields)
+            ks, dropped = served_ks(head, path, kind, fields)
+            note = "; ".join(n for n in (note, dropped) if n) or None
         else:
             raise ValueError(f"eval.heads[{head.name}].method={head.method!r}: choose export or ngram")
-        for k in head.num_speculative_tokens:
+        for k in ks:
             if drafting == "ngram":
                 spec = {"method": "ngram", "num_speculative_tokens": int(k), **lookup}
             else:
@@ -78,25 +78,32 @@ def export_note(name: str, path: Path, record: dict | None) -> str | None:
     return note
 
 
-def check_served_ks(head, path: Path, kind: str, fields: dict) -> None:
-    """Refuse a k the export's head was not trained to draft (its config.json says which); warn where it
-    does not say and a bidirectional DFlash head is asked for k != block_size - 1 (every slot would see a
-    block of another length than it trained on)."""
+def served_ks(head, path: Path, kind: str, fields: dict) -> tuple[list[int], str | None]:
+    """The k eval serves an export at: eval.heads[].num_speculative_tokens among the k its head was trained
+    to draft (its config.json says which), the others dropped with a note; none of them left, the longest it
+    drafts. A head trained for fixed blocks is measured at what it serves, whatever the sweep lists. Where
+    the export does not say, a bidirectional DFlash head asked for k != block_size - 1 is warned about (every
+    slot would see a block of another length than it trained on)."""
     ks, asked = export_trained_ks(path), [int(k) for k in head.num_speculative_tokens]
-    if ks is not None and not set(asked) <= set(ks):
-        refuse(
-            f"eval.heads[{head.name}].num_speculative_tokens",
-            asked,
-            f"among {ks}, the k {path} was trained to draft (docs/dflash.md#served-k)",
-        )
-    if ks is None and kind == "dflash" and not fields["causal"]:
-        others = [k for k in asked if k != fields["block_size"] - 1]
-        if others:
-            log.warning(
-                "%s does not say which k its bidirectional DFlash head was trained for: k=%s serve blocks "
-                "other than its block_size %d, which it was probably not trained on (docs/dflash.md#served-k)",
-                path, others, fields["block_size"],
-            )  # fmt: skip
+    if ks is None:
+        if kind == "dflash" and not fields["causal"]:
+            others = [k for k in asked if k != fields["block_size"] - 1]
+            if others:
+                log.warning(
+                    "%s does not say which k its bidirectional DFlash head was trained for: k=%s serve blocks "
+                    "other than its block_size %d, which it was probably not trained on (docs/dflash.md#served-k)",
+                    path, others, fields["block_size"],
+                )  # fmt: skip
+        return asked, None
+    served = [k for k in asked if k in ks] or [max(ks)]
+    if served == asked:
+        return asked, None
+    note = (
+        f"head {head.name}: k={[k for k in asked if k not in ks]} of eval.heads[].num_speculative_tokens "
+        f"not served: {path} was trained to draft k in {ks}; measured at k={served} (docs/dflash.md#served-k)"
+    )
+    log.warning("%s", note)
+    return served, note
 
 
 def schedule_configs(recommendations: list[dict], first: str, configs: list[dict] = ()) -> list[dict]:

@@ -1,34 +1,40 @@
 """Is a served head still doing what it was measured to do? The acceptance watch's judgement (eval/watch.py
 polls; this module decides), pure functions over scrapes of a vLLM server's `/metrics`.
 
-A `Snapshot` holds one scrape's cumulative counters; a `Window` what happened between two; `Expected` what
-eval measured for the head (`expected_from_results`: its results.json, per k, temperature, workload and
-concurrency); `judge` gives each window a `Verdict`, with statistics rather than fixed thresholds:
+A `Snapshot` holds one scrape's cumulative counters and the server process' identity; a `Window` what one
+server process did between two; `Expected` what eval measured for the head (eval/expectation.py); `judge`
+gives each window a `Verdict`, with statistics rather than fixed thresholds:
 
 - the window's mean acceptance length L has a standard error from its own counts (a draft's accepted
   tokens are a prefix: `AcceptanceCounts.mean_acceptance_bounds`), so does eval's measurement of it; both
-  widened by the window's dispersion (drafts of one request are alike: `dispersion`, from the scrapes
-  taken within the window);
-- `degraded` when the window's upper bound L + z se falls below the expected band (the lowest lower bound
+  widened by the window's dispersion (drafts of one request are alike), estimated from request-long
+  batches of the window, with the t quantile of their degrees of freedom (eval/dispersion.py);
+- `insufficient` while the window holds fewer than MIN_BATCHES request-long batches or MIN_DRAFTS drafts:
+  the watch lengthens the window until it does (a window shorter than its requests cannot say how much they
+  differ, and judged anyway it raises false alarms);
+- `degraded` when the window's upper bound L + q se falls below the expected band (the lowest lower bound
   eval measured on the workloads judged against); back to `healthy` when its lower bound rises into it;
 - `net-negative` when the upper bound falls below break-even: the L at which the head's measured round cost
   (at the eval concurrency nearest the window's) makes serving as fast as no speculation, L_be = L_eval /
   speedup_eval (speedup proportional to L at a fixed round cost);
 - `latency` when more than 1% of the window's inter-token latencies exceed eval's p99 x (1 + margin) with
   confidence (a binomial lower bound above 1%: under the measured distribution at most 1% lie above p99);
-- `no-speculation` (tokens generated, no drafts: the server does not draft), `restarted` (a counter went
-  down: the window starts again from this scrape), `idle` (no tokens generated: nothing to judge).
+- `no-speculation` (tokens generated, no drafts: the server does not draft), `idle` (no tokens generated).
+
+The watch itself gives `restarted` (another server process, or another k: `restart_reason`, on the first
+scrape after it), `down` (no answer) and `unmeasured` (the record has nothing at the server's k).
+A change inside a window is caught in that window when it moves the whole window past the bounds, else in
+the next one at the latest: inside a window it also inflates the dispersion, which widens the bounds.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from eval.dispersion import MIN_BATCHES, REQUESTS_PER_BATCH, batches, dispersion, t_quantile
+from eval.expectation import Expected
 from eval.prometheus import acceptance_counts, counter_total, parse_samples
 from heads.acceptance import VLLM_PREFIX, AcceptanceCounts
 
@@ -37,8 +43,13 @@ E2E = "vllm:e2e_request_latency_seconds"  # its sum over a window / the window's
 GENERATED = "vllm:generation_tokens"
 REQUESTS = "vllm:request_success"
 
+MIN_DRAFTS = 50  # fewer drafts in a window: `insufficient`
+MAX_GROWTH = 100  # a window `insufficient` after this many intervals is dropped, and the next one begins
+
 # One-shot exit status (cron, CI canaries, Kubernetes probes): 0 healthy, 1 retrain (degraded, latency),
-# 2 turn it off (net-negative, no-speculation), 3 nothing to judge (idle, restarted).
+# 2 turn it off (net-negative, no-speculation), 3 could not judge (idle, insufficient, restarted, down,
+# unmeasured). Never a verdict's code: 64 bad input (a setting, file or server the watch cannot use),
+# 70 the watch's own failure (a bug: its traceback), 130 interrupted.
 EXIT_CODES = {
     "healthy": 0,
     "degraded": 1,
@@ -46,8 +57,12 @@ EXIT_CODES = {
     "net-negative": 2,
     "no-speculation": 2,
     "idle": 3,
+    "insufficient": 3,
     "restarted": 3,
+    "down": 3,
+    "unmeasured": 3,
 }
+BAD_INPUT, CRASHED, INTERRUPTED = 64, 70, 130
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,15 @@ class Snapshot:
     itl: Histogram
     e2e: Histogram
     model_names: frozenset[str] = frozenset()
+    # the server process' identity: process_start_time_seconds and the earliest `_created` of its counters
+    # (None where it exposes neither, e.g. prometheus_client's multiprocess mode)
+    started: float | None = None
+    created: float | None = None
+
+    @property
+    def k(self) -> int:
+        """The server's k: the width of its per-position counter (0 before its first draft)."""
+        return len(self.acceptance.accepted_per_position)
 
 
 def read_snapshot(text: str, time_s: float) -> Snapshot:
@@ -124,6 +148,8 @@ def read_snapshot(text: str, time_s: float) -> Snapshot:
         raise ValueError(
             "no vllm: metrics in this /metrics text: not a vLLM server, or it runs with --disable-log-stats"
         )
+    created = [v for name, _, v in samples if name.startswith("vllm:") and name.endswith("_created")]
+    started = [v for name, _, v in samples if name == "process_start_time_seconds"]
     return Snapshot(
         time_s,
         acceptance_counts(text),
@@ -133,12 +159,36 @@ def read_snapshot(text: str, time_s: float) -> Snapshot:
         histogram(samples, ITL),
         histogram(samples, E2E),
         frozenset(labels["model_name"] for _, labels, _ in samples if "model_name" in labels),
+        min(started) if started else None,
+        min(created) if created else None,
     )
+
+
+def restart_reason(earlier: Snapshot, later: Snapshot) -> str | None:
+    """Why `later` is not the same server process as `earlier` (a restart: its counters start again), or
+    serves another k; None when it is the same. Seen on the first scrape after it, whatever the counters
+    reached by then: by the process' start time and its counters' creation times, then by a counter that
+    went down."""
+    if None not in (earlier.started, later.started) and later.started != earlier.started:
+        return (
+            f"the server restarted (process_start_time_seconds {earlier.started:.0f} -> {later.started:.0f})"
+        )
+    if None not in (earlier.created, later.created) and later.created != earlier.created:
+        return "the server restarted (its counters were created again)"
+    if (
+        later.acceptance.num_drafts < earlier.acceptance.num_drafts
+        or later.generated_tokens < earlier.generated_tokens
+        or later.requests < earlier.requests
+    ):
+        return "the server restarted (a counter went down)"
+    if earlier.k and later.k and later.k != earlier.k:
+        return f"the server drafts k={later.k} (it drafted k={earlier.k})"
+    return None
 
 
 @dataclass(frozen=True)
 class Window:
-    """What a server did between two snapshots."""
+    """What a server did between two snapshots of one server process."""
 
     start_s: float
     end_s: float
@@ -148,169 +198,38 @@ class Window:
     requests: float
     itl: Histogram
     concurrency: float  # requests in flight on average (Little's law over the finished requests' latency)
-    restarted: bool = False
-    dispersion: float = 1.0  # the acceptance's variance over the independent drafts' (`dispersion`)
+    request_s: float = float("nan")  # the finished requests' mean latency (nan: none finished)
+    batches: int = 0  # request-long batches with drafts (eval/dispersion.py)
+    dispersion: float = 1.0  # the acceptance's variance over the independent drafts'
 
     @property
     def seconds(self) -> float:
         return self.end_s - self.start_s
 
 
-def went_down(earlier: Snapshot, later: Snapshot) -> bool:
-    return (
-        later.acceptance.num_drafts < earlier.acceptance.num_drafts
-        or later.generated_tokens < earlier.generated_tokens
-        or later.requests < earlier.requests
-    )
-
-
 def window(earlier: Snapshot, later: Snapshot, between: Sequence[Snapshot] = ()) -> Window:
-    """The difference of two snapshots; `restarted` (and the later snapshot's own totals) when a counter
-    went down, as it does when the server restarts. With the scrapes `between` them, the acceptance's
-    dispersion over those sub-windows (`dispersion`; 1 without them)."""
+    """The difference of two snapshots of one server process (`restart_reason` None between each), with
+    the scrapes `between` them merged into request-long batches for the acceptance's dispersion."""
     chain = [earlier, *between, later]
-    restarted = any(went_down(a, b) for a, b in zip(chain, chain[1:]))
-    base = Snapshot(earlier.time_s, AcceptanceCounts(), later.speculating, 0.0, 0.0, Histogram(), Histogram())
-    start = base if restarted else earlier
     seconds = later.time_s - earlier.time_s
-    e2e = later.e2e - start.e2e
-    acceptance = later.acceptance - start.acceptance
-    parts = [] if restarted else [b.acceptance - a.acceptance for a, b in zip(chain, chain[1:])]
+    e2e = later.e2e - earlier.e2e
+    acceptance = later.acceptance - earlier.acceptance
+    request_s = e2e.total / e2e.count if e2e.count > 0 else float("nan")
+    spans = batches([snapshot.time_s for snapshot in chain], REQUESTS_PER_BATCH * request_s)
+    merged = [chain[j].acceptance - chain[i].acceptance for i, j in spans]
+    merged = [part for part in merged if part.num_drafts]
     return Window(
         earlier.time_s,
         later.time_s,
         acceptance,
         later.speculating,
-        later.generated_tokens - start.generated_tokens,
-        later.requests - start.requests,
-        later.itl - start.itl,
+        later.generated_tokens - earlier.generated_tokens,
+        later.requests - earlier.requests,
+        later.itl - earlier.itl,
         e2e.total / seconds if seconds > 0 else float("nan"),
-        restarted,
-        dispersion(parts, acceptance),
-    )
-
-
-def dispersion(parts: Sequence[AcceptanceCounts], whole: AcceptanceCounts) -> float:
-    """How much more a window's mean acceptance length varies than if its drafts were independent.
-
-    They are not: the drafts of one request share its prompt and answer, and a request of prose accepts
-    less than one of code, so a window of a few requests varies between windows several times more than
-    its drafts' binomial variance says (the watch's trial on real traffic: docs/watch.md). Estimated by
-    batch means, from the window alone: its sub-windows' lengths L_j (n_j drafts each, between the scrapes
-    the watch takes `watch.subwindows` times per window) spread around the window's L as
-    sum_j n_j (L_j - L)^2 / Var(A) ~ phi chi2(J - 1), Pearson's estimate of phi over the J sub-windows with
-    drafts; at least 1, and 1 with fewer than two such sub-windows."""
-    parts = [part for part in parts if part.num_drafts]
-    variance = whole.draft_variance
-    if len(parts) < 2 or not whole.num_drafts or variance <= 0:
-        return 1.0
-    length = whole.mean_acceptance_length
-    pearson = sum(part.num_drafts * (part.mean_acceptance_length - length) ** 2 for part in parts)
-    return max(1.0, pearson / variance / (len(parts) - 1))
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One eval run of the head (or its export verification): where the expectation comes from."""
-
-    workload: str
-    concurrency: int
-    acceptance: AcceptanceCounts
-    speedup: float | None  # against the baseline on the same prompts; None: verification (no server)
-    itl_p99_ms: float | None
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the head was measured to do at one k and temperature, per workload and concurrency."""
-
-    k: int
-    temperature: float
-    runs: tuple[Measured, ...]
-    source: str  # the file it was read from, said in every report
-
-    def band_low(self, z: float, dispersion: float = 1.0) -> float:
-        """The bottom of the expected band: the lowest lower bound of L over the workloads measured, its
-        drafts as dispersed as the window's (eval's requests are requests like the window's)."""
-        return min(run.acceptance.mean_acceptance_bounds(z, dispersion)[0] for run in self.runs)
-
-    def nearest(self, concurrency: float) -> list[Measured]:
-        """The runs at the measured concurrency nearest (in ratio) the observed one."""
-        measured = sorted({run.concurrency for run in self.runs})
-        observed = max(concurrency, 1.0) if not math.isnan(concurrency) else measured[0]
-        best = min(measured, key=lambda c: abs(math.log(c / observed)))
-        return [run for run in self.runs if run.concurrency == best]
-
-    def break_even(self, concurrency: float) -> float | None:
-        """L at which speculation stops paying at this concurrency (median over workloads of L / speedup);
-        None without a measured speedup."""
-        values = [
-            run.acceptance.mean_acceptance_length / run.speedup
-            for run in self.nearest(concurrency)
-            if run.speedup
-        ]
-        return statistics.median(values) if values else None
-
-    def itl_p99_ms(self, concurrency: float) -> float | None:
-        values = [run.itl_p99_ms for run in self.nearest(concurrency) if run.itl_p99_ms]
-        return statistics.median(values) if values else None
-
-
-def expected_from_results(
-    results_path: Path, head: str, k: int, temperature: float = 0.0, workload: str | None = None
-) -> Expected:
-    """The head's runs in an eval results.json at k and temperature (one workload, or all); ValueError
-    naming the file and what it lacks."""
-    results = json.loads(Path(results_path).read_text())
-    runs = [
-        run
-        for run in results.get("runs", [])
-        if run.get("head") == head
-        and run.get("k") == k
-        and run.get("schedule") is None
-        and float(run.get("temperature", 0.0)) == float(temperature)
-        and run.get("acceptance", {}).get("num_drafts")
-        and (workload is None or run.get("workload_name", run.get("workload")) == workload)
-    ]
-    if not runs:
-        heads = sorted(
-            {
-                (r.get("head"), r.get("k"), r.get("temperature", 0.0))
-                for r in results.get("runs", [])
-                if r.get("head")
-            }
-        )
-        raise ValueError(
-            f"{results_path}: no run of head {head!r} at k={k}, temperature {temperature}"
-            + (f", workload {workload!r}" if workload else "")
-            + f"; it has (head, k, temperature) {heads}"
-        )
-    return Expected(
-        k,
-        temperature,
-        tuple(
-            Measured(
-                run.get("workload_name", run["workload"]),
-                int(run["concurrency"]),
-                AcceptanceCounts.from_summary(run["acceptance"]),
-                run.get("speedup"),
-                run.get("itl_ms", {}).get("p99"),
-            )
-            for run in runs
-        ),
-        str(results_path),
-    )
-
-
-def expected_from_verification(verification_path: Path) -> Expected:
-    """Export verification's vLLM acceptance (offline, T=0, its k): no break-even, no latency."""
-    record = json.loads(Path(verification_path).read_text())
-    counts = AcceptanceCounts.from_summary(record["vllm"])
-    return Expected(
-        int(record["num_speculative_tokens"]),
-        0.0,
-        (Measured("verification", 1, counts, None, None),),
-        str(verification_path),
+        request_s,
+        len(merged),
+        dispersion(merged, acceptance),
     )
 
 
@@ -335,6 +254,21 @@ def wilson_low(successes: float, trials: float, z: float) -> float:
     return max(0.0, (centre - spread) / (1 + z * z / trials))
 
 
+def insufficient_reason(current: Window) -> str:
+    """Why a window cannot be judged yet, and how long it must grow."""
+    if current.acceptance.num_drafts < MIN_DRAFTS:
+        return f"{current.acceptance.num_drafts} drafts in {current.seconds:.0f} s, fewer than {MIN_DRAFTS}: too little to judge"
+    if math.isnan(current.request_s):
+        return (
+            f"no request finished in {current.seconds:.0f} s: requests outlive the window, too few to judge"
+        )
+    batch_s = REQUESTS_PER_BATCH * current.request_s
+    return (
+        f"requests last {current.request_s:.1f} s on average: {current.seconds:.0f} s hold {current.batches} "
+        f"batches of {batch_s:.0f} s, fewer than {MIN_BATCHES} (about {MIN_BATCHES * batch_s:.0f} s needed)"
+    )
+
+
 def judge(
     current: Window,
     expected: Expected,
@@ -356,10 +290,6 @@ def judge(
         "itl_p50_ms": current.itl.quantile(0.5) * 1e3,
         "itl_p99_ms": current.itl.quantile(0.99) * 1e3,
     }
-    if current.restarted:
-        return Verdict(
-            "restarted", "a counter went down: the server restarted; counting again from here", numbers
-        )
     if current.generated_tokens <= 0:
         return Verdict("idle", "no tokens generated in this window: nothing to judge", numbers)
     if not current.speculating or counts.num_drafts == 0:
@@ -368,10 +298,14 @@ def judge(
             f"{current.generated_tokens:.0f} tokens generated and no drafts: the server is not drafting",
             numbers,
         )
-    low, high = counts.mean_acceptance_bounds(z, current.dispersion)
-    band = expected.band_low(z, current.dispersion)
+    numbers.update(request_s=current.request_s, batches=current.batches)
+    if current.batches < MIN_BATCHES or counts.num_drafts < MIN_DRAFTS:
+        return Verdict("insufficient", insufficient_reason(current), numbers)
+    q = t_quantile(z, current.batches - 1)  # the dispersion is estimated from `batches` numbers
+    low, high = counts.mean_acceptance_bounds(q, current.dispersion)
+    band = expected.band_low(q, current.dispersion)
     break_even = expected.break_even(current.concurrency)
-    numbers.update(acceptance_low=low, acceptance_high=high, expected_low=band, break_even=break_even)
+    numbers.update(acceptance_low=low, acceptance_high=high, expected_low=band, break_even=break_even, q=q)
     if break_even is not None and high < break_even:
         return Verdict(
             "net-negative",
@@ -404,3 +338,51 @@ def judge(
         f"measured to do (>= {band:.3f})",
         numbers,
     )
+
+
+class Watcher:
+    """The watch's judgement over a stream of scrapes (eval/watch.py feeds it; tests feed it synthetic
+    ones): a window every `subwindows` scrapes, lengthened while it is `insufficient` (its verdict then
+    says `window_open`; after MAX_GROWTH intervals it is dropped), and a new baseline on the first scrape of
+    another server process or k, whose expectation `expect(k)` gives (NotMeasured: `unmeasured`)."""
+
+    def __init__(self, expect, z: float = 3.0, latency_margin: float = 0.5, subwindows: int = 20):
+        self.expect, self.z, self.latency_margin = expect, z, latency_margin
+        self.subwindows, self.max_subwindows = subwindows, MAX_GROWTH * subwindows
+        self.previous, self.before, self.scrapes = "healthy", None, []
+        self.expected: Expected | None = None
+        self.unmeasured = ""
+
+    def baseline(self, snapshot: Snapshot) -> None:
+        from eval.expectation import NotMeasured
+
+        self.before, self.scrapes = snapshot, []
+        try:
+            self.expected, self.unmeasured = self.expect(snapshot.k), ""
+        except NotMeasured as error:
+            self.expected, self.unmeasured = None, str(error)
+
+    def feed(self, snapshot: Snapshot) -> Verdict | None:
+        """The verdict this scrape completes (None: inside a window)."""
+        if self.before is None:
+            self.baseline(snapshot)
+            return None
+        last = self.scrapes[-1] if self.scrapes else self.before
+        reason = restart_reason(last, snapshot)
+        if reason is not None:
+            self.baseline(snapshot)
+            return Verdict("restarted", f"{reason}: a new baseline from this scrape", {"k": snapshot.k})
+        self.scrapes.append(snapshot)
+        if len(self.scrapes) % self.subwindows:
+            return None
+        current = window(self.before, self.scrapes[-1], self.scrapes[:-1])
+        if self.expected is None:
+            verdict = Verdict("unmeasured", self.unmeasured, {"k": snapshot.k, "seconds": current.seconds})
+        else:
+            verdict = judge(current, self.expected, self.previous, self.z, self.latency_margin)
+        if verdict.name == "insufficient" and len(self.scrapes) < self.max_subwindows:
+            return Verdict(verdict.name, verdict.reason, {**verdict.numbers, "window_open": True})  # it grows
+        self.before, self.scrapes = self.scrapes[-1], []
+        if verdict.name not in ("idle", "insufficient", "unmeasured"):  # nothing judged: the state stays
+            self.previous = verdict.name
+        return verdict

@@ -76,7 +76,7 @@ def evaluate_heads(cfg: DictConfig) -> dict:
     if cfg.eval.offline:
         # The reference decoder runs trained heads; vLLM's ngram drafter has no offline counterpart here.
         heads = [
-            (h.name, Path(h.path or run_dir / "export"), [int(k) for k in h.num_speculative_tokens])
+            (h.name, Path(h.path or run_dir / "export"), [c["k"] for c in configs if c["head"] == h.name])
             for h in cfg.eval.heads
             if h.method == "export"
         ]

@@ -6,16 +6,20 @@ window (eval/health.py), with what to do about it (docs/watch.md).
     python eval/watch.py run_dir=/runs/llama31 watch.url=http://gpu7:8000 watch.head=/heads/llama31 \
         watch.results=/runs/llama31/eval/results.json watch.temperature=1 watch.traffic=/logs/requests.jsonl
 
-Every `watch.interval_s` it scrapes the server's `/metrics` and judges the window since the last scrape:
-`healthy`, `degraded` (retrain: the commands are printed), `net-negative` (turn it off, or the deploy config
-eval recommends), `latency`, `no-speculation`, `restarted`, `idle`. Each window is a status line, a record
-in <out_dir>/timeline.jsonl and (watch.report_to=wandb) a W&B step; at start it writes a Prometheus alerting
-rule file and a Grafana panel from the head's record into out_dir. `watch.once=true` judges one window and
-exits 0 (healthy), 1 (retrain), 2 (turn it off) or 3 (nothing to judge).
+It scrapes the server's `/metrics` `watch.subwindows` times per `watch.interval_s` and judges a window per
+interval, lengthened while it is too short for its requests (`insufficient`): `healthy`, `degraded`
+(retrain: the commands are printed), `net-negative` (turn it off, or the deploy config eval recommends),
+`latency`, `no-speculation`, `idle`; `restarted` (another server process or k: a new baseline, the served
+model checked again, the expectation re-read for the new k), `down` (no answer: it waits, and starts again
+from the first answer), `unmeasured` (the record has nothing at the server's k). Each is a status line, a
+record in <out_dir>/timeline.jsonl and (watch.report_to=wandb) a W&B step; after every judged window it
+rewrites a Prometheus alerting rule file and a Grafana panel from that window (eval/alert_rules.py).
+`watch.once=true` judges one window and exits with its code (eval/health.py EXIT_CODES: 0 healthy, 1
+retrain, 2 turn it off, 3 could not judge); bad input exits 64, a crash 70, an interrupt 130.
 
-Before the first window it refuses, naming what is wrong: a URL that does not answer or is not a vLLM
-server, a server serving another model than the head's target (by name and path, /v1/models), a head
-directory without an export, a server whose k differs from the one judged.
+Before the first window it refuses, in one line naming what is wrong: a URL that does not answer or is not
+a vLLM server, a server serving another model than the head's target (by name and path, /v1/models; the
+export's record names it in every format), a head directory without an export, a record it cannot read.
 """
 
 from __future__ import annotations
@@ -27,25 +31,24 @@ import shlex
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
-import yaml
 from omegaconf import DictConfig
 
+from artifacts import atomic
 from artifacts.config import check_config, register_configs
-from eval.health import (
-    EXIT_CODES,
+from eval.alert_rules import write_rules
+from eval.expectation import (
     Expected,
-    Snapshot,
-    Verdict,
     expected_from_results,
     expected_from_verification,
-    judge,
-    read_snapshot,
-    window,
+    read_json,
 )
+from eval.health import BAD_INPUT, CRASHED, INTERRUPTED, Snapshot, Verdict, Watcher, read_snapshot
 from eval.server import http_get
+from export.to_vllm import read_export_config
 
 log = logging.getLogger("watch")
 
@@ -54,11 +57,15 @@ class WatchError(ValueError):
     """Bad input: the message names the URL, file or setting at fault."""
 
 
+class Unanswered(OSError):
+    """The server did not answer a scrape (down, restarting, unreachable)."""
+
+
 def scrape(url: str) -> Snapshot:
     try:
         text = http_get(f"{url.rstrip('/')}/metrics", timeout=10.0)
     except OSError as error:
-        raise WatchError(f"watch.url={url}: no answer from {url}/metrics ({error})") from error
+        raise Unanswered(f"watch.url={url}: no answer from {url}/metrics ({error})") from error
     try:
         return read_snapshot(text, time.time())
     except ValueError as error:
@@ -66,17 +73,33 @@ def scrape(url: str) -> Snapshot:
 
 
 def served_model(url: str) -> tuple[str, str | None]:
-    """(served name, model path) from the server's /v1/models (vLLM's `root` is the path it loaded)."""
+    """(served name, model path) from the server's /v1/models (vLLM's `root` is the path it loaded); warns
+    when it lists LoRA adapters, whose traffic the counters and the request log also hold."""
     try:
         models = json.loads(http_get(f"{url.rstrip('/')}/v1/models", timeout=10.0))["data"]
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise WatchError(f"watch.url={url}: /v1/models did not list a model ({error})") from error
-    return models[0]["id"], models[0].get("root")
+    if not models:
+        raise WatchError(f"watch.url={url}: /v1/models lists no model")
+    adapters = [m.get("id") for m in models if m.get("parent")]
+    if adapters:
+        log.warning(
+            "%s also serves LoRA adapters %s: their requests are in the same counters and request log, and "
+            "the head was not measured on them",
+            url,
+            adapters,
+        )
+    base = next((m for m in models if not m.get("parent")), models[0])
+    return base["id"], base.get("root")
 
 
 def head_target(head_dir: Path) -> str | None:
-    """The target the head was exported for (speculators' verifier), None when its format does not say."""
-    config = json.loads((head_dir / "config.json").read_text())
+    """The target the head was exported for: the export's record (every format), else speculators'
+    verifier; None when neither says."""
+    record = head_dir / "export_record.json"
+    if record.exists() and (target := read_json(record, "export record").get("target")):
+        return target
+    config = read_json(head_dir / "config.json", "export config")
     return (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
 
 
@@ -90,6 +113,7 @@ def same_model(a: str, b: str) -> bool:
 def check_server(url: str, target: str | None) -> None:
     name, root = served_model(url)
     if target is None:
+        log.warning("the export does not name its target: the model %s serves is not checked", url)
         return
     served = [value for value in (root, name) if value]
     if not any(same_model(value, target) for value in served):
@@ -101,7 +125,7 @@ def check_server(url: str, target: str | None) -> None:
 
 def eval_head_name(results: Path, head_dir: Path) -> str:
     """The name eval gave the head served from `head_dir` (a head without a path is its run's export)."""
-    config = json.loads(results.read_text()).get("config", {})
+    config = read_json(results, "eval results").get("config", {})
     heads = config.get("heads") or config.get("eval", {}).get("heads") or []
     run_export = results.parent.parent / "export"
     names = [
@@ -124,15 +148,13 @@ def results_path(cfg: DictConfig) -> Path:
     return Path(cfg.watch.results or Path(cfg.run_dir) / "eval" / "results.json")
 
 
-def load_expected(cfg: DictConfig, head_dir: Path, k: int) -> Expected:
+def load_expected(cfg: DictConfig, head_dir: Path, k: int, prefix_holds: bool) -> Expected:
+    """What the head was measured to do at the server's k (NotMeasured where the record has nothing)."""
     watch = cfg.watch
     results = results_path(cfg)
     if results.exists():
         name = watch.eval_head or eval_head_name(results, head_dir)
-        try:
-            return expected_from_results(results, name, k, watch.temperature, watch.workload)
-        except ValueError as error:
-            raise WatchError(str(error)) from error
+        return expected_from_results(results, name, k, watch.temperature, watch.workload, prefix_holds)
     verification = head_dir / "verification.json"
     if not verification.exists():
         raise WatchError(
@@ -145,7 +167,7 @@ def load_expected(cfg: DictConfig, head_dir: Path, k: int) -> Expected:
         results,
         verification,
     )
-    return expected_from_verification(verification)
+    return expected_from_verification(verification, k, prefix_holds)
 
 
 def actions(verdict: Verdict, cfg: DictConfig, head_dir: Path, overrides: list[str]) -> list[str]:
@@ -186,7 +208,7 @@ def deploy_now(cfg: DictConfig) -> str:
     or serving without speculation."""
     results = results_path(cfg)
     if results.exists():
-        recommendations = json.loads(results.read_text()).get("recommendations") or []
+        recommendations = read_json(results, "eval results").get("recommendations") or []
         wanted = [r for r in recommendations if r.get("enable") and r.get("deploy")]
         if cfg.watch.workload:
             wanted = [r for r in wanted if r.get("workload", "").split(" T=")[0] == cfg.watch.workload]
@@ -206,83 +228,19 @@ def status_line(verdict: Verdict) -> str:
             + (f", break-even {n['break_even']:.3f}" if n.get("break_even") else "")
         )
         parts.append("positions " + "/".join(f"{p:.2f}" for p in n["per_position"]))
-        parts.append(f"dispersion {n['dispersion']:.1f}")
-    parts.append(
-        f"{n['requests']:.0f} req, {n['generated_tokens']:.0f} tok, concurrency {n['concurrency']:.1f}"
-    )
-    if not math.isnan(n["itl_p50_ms"]):
+        parts.append(f"dispersion {n['dispersion']:.1f} over {n['batches']} batches")
+    if "requests" in n:
+        parts.append(
+            f"{n['seconds']:.0f} s, {n['requests']:.0f} req, {n['generated_tokens']:.0f} tok, "
+            f"concurrency {n['concurrency']:.1f}"
+        )
+    if not math.isnan(n.get("itl_p50_ms", math.nan)):
         parts.append(f"ITL p50 {n['itl_p50_ms']:.0f} p99 {n['itl_p99_ms']:.0f} ms")
     return " | ".join(parts) + f" | {verdict.reason}"
 
 
-def acceptance_length_promql(model: str, over: str) -> str:
-    """PromQL for the mean acceptance length of `model`'s server over the last `over` (e.g. 10m)."""
-    return (
-        f'1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total{{model_name="{model}"}}[{over}])) / '
-        f'sum(rate(vllm:spec_decode_num_drafts_total{{model_name="{model}"}}[{over}]))'
-    )
-
-
-def alert_rules(expected: Expected, model: str, z: float) -> dict:
-    """A Prometheus alerting-rule group from the head's record: the mean acceptance length over 10 minutes
-    below the measured band (retrain) and below break-even at the lowest measured concurrency (turn off)."""
-    length = acceptance_length_promql(model, "10m")
-    rules = [
-        {
-            "alert": "SpeculativeHeadDegraded",
-            "expr": f"{length} < {expected.band_low(z):.4f}",
-            "for": "15m",
-            "labels": {"severity": "warning"},
-            "annotations": {
-                "summary": "draft head accepts less than it was measured to: retrain it on current traffic",
-                "source": expected.source,
-            },
-        }
-    ]
-    break_even = expected.break_even(1.0)
-    if break_even is not None:
-        rules.append(
-            {
-                "alert": "SpeculativeHeadNetNegative",
-                "expr": f"{length} < {break_even:.4f}",
-                "for": "10m",
-                "labels": {"severity": "critical"},
-                "annotations": {
-                    "summary": "speculation makes serving slower than without it: turn it off",
-                    "source": expected.source,
-                },
-            }
-        )
-    return {"groups": [{"name": "speculative-decoding", "rules": rules}]}
-
-
-def grafana_panel(expected: Expected, model: str, z: float) -> dict:
-    """A Grafana time-series panel: the mean acceptance length with the band and break-even as thresholds."""
-    steps = [{"color": "red", "value": None}]
-    break_even = expected.break_even(1.0)
-    if break_even is not None:
-        steps.append({"color": "orange", "value": round(break_even, 4)})
-    steps.append({"color": "green", "value": round(expected.band_low(z), 4)})
-    return {
-        "type": "timeseries",
-        "title": "Mean acceptance length (speculative decoding)",
-        "targets": [
-            {
-                "expr": acceptance_length_promql(model, "5m"),
-                "legendFormat": "acceptance length",
-            }
-        ],
-        "fieldConfig": {
-            "defaults": {
-                "thresholds": {"mode": "absolute", "steps": steps},
-                "custom": {"thresholdsStyle": {"mode": "line"}},
-            }
-        },
-    }
-
-
-def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
-    """Run the watch; returns the exit status (the last verdict's with watch.once)."""
+def checked_settings(cfg: DictConfig) -> tuple[Path, bool, str | None]:
+    """(head directory, whether the record's larger k holds the server's, the target) before anything runs."""
     check_config(cfg)
     settings = cfg.watch
     if not settings.url:
@@ -290,33 +248,50 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
             "watch.url is not set: the vLLM server to watch, e.g. watch.url=http://localhost:8000"
         )
     head_dir = Path(settings.head or Path(cfg.run_dir) / "export")
+    atomic.recover_dir(head_dir)  # an export killed while publishing left the old one aside
     if not (head_dir / "config.json").exists():
         raise WatchError(f"watch.head={head_dir}: not an export (no config.json; run export/main.py)")
-    check_server(settings.url, settings.target or head_target(head_dir))
-    first = scrape(settings.url)
-    k = len(first.acceptance.accepted_per_position)
+    try:
+        kind, fields = read_export_config(head_dir)
+    except (ValueError, KeyError) as error:
+        raise WatchError(
+            f"{head_dir / 'config.json'}: not a readable export config ({error}); rerun export"
+        ) from error
+    # a chain's or P-EAGLE's first drafts do not depend on k; a bidirectional DFlash block does
+    prefix_holds = kind != "dflash" or bool(fields.get("causal"))
+    return head_dir, prefix_holds, settings.target or head_target(head_dir)
+
+
+def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
+    """Run the watch; returns the exit status (the last judged window's with watch.once)."""
+    head_dir, prefix_holds, target = checked_settings(cfg)
+    settings = cfg.watch
+    try:
+        first = scrape(settings.url)
+    except Unanswered as error:
+        raise WatchError(str(error)) from error
+    check_server(settings.url, target)
     if not first.speculating:
         raise WatchError(
             f"watch.url={settings.url}: the server exposes no spec-decode counters: it does not draft"
         )
-    expected = load_expected(cfg, head_dir, k)
-    model = next(iter(first.model_names), "")
     out_dir = Path(settings.out_dir or Path(cfg.run_dir) / "watch")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "alerts.yml").write_text(
-        yaml.safe_dump(alert_rules(expected, model, settings.z), sort_keys=False)
-    )
-    (out_dir / "grafana_panel.json").write_text(
-        json.dumps(grafana_panel(expected, model, settings.z), indent=2)
-    )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as error:
+        raise WatchError(f"watch.out_dir={out_dir}: cannot be a directory ({error})") from error
+
+    def expect(k: int) -> Expected:
+        return load_expected(cfg, head_dir, k, prefix_holds)
+
+    watcher = Watcher(expect, settings.z, settings.latency_margin, settings.subwindows)
+    watcher.feed(first)
+    model = next(iter(first.model_names), "")
     log.info(
         "watching %s (k=%d, T=%g) against %s; timeline: %s",
-        settings.url,
-        k,
-        settings.temperature,
-        expected.source,
-        out_dir / "timeline.jsonl",
-    )
+        settings.url, first.k, settings.temperature,
+        watcher.expected.source if watcher.expected else watcher.unmeasured, out_dir / "timeline.jsonl",
+    )  # fmt: skip
     wandb_run = None
     if settings.report_to == "wandb":
         import wandb
@@ -324,37 +299,46 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
         wandb_run = wandb.init(
             project=settings.wandb_project, mode=settings.wandb_mode, dir=str(out_dir), job_type="watch"
         )
-    previous, before, status, windows = "healthy", first, 0, 0
+    previous, status, windows, down_since = "healthy", 0, 0, None
     try:
         while True:
-            scrapes = []  # within the window: its sub-windows give the acceptance's dispersion
-            for _ in range(settings.subwindows):
-                time.sleep(settings.interval_s / settings.subwindows)
-                scrapes.append(scrape(settings.url))
-            after = scrapes[-1]
-            current = window(before, after, scrapes[:-1])
-            verdict = judge(current, expected, previous, settings.z, settings.latency_margin)
-            todo = actions(verdict, cfg, head_dir, list(overrides)) if verdict.name != previous else []
-            record = {
-                "time": after.time_s,
-                "verdict": verdict.name,
-                "reason": verdict.reason,
-                **verdict.numbers,
-                "actions": todo,
-            }
-            with (out_dir / "timeline.jsonl").open("a") as timeline:
-                timeline.write(json.dumps(record) + "\n")
-            print(status_line(verdict), flush=True)
-            for command in todo:
-                print(f"    {command}", flush=True)
-            if wandb_run is not None:
-                wandb_run.log(
-                    {k: v for k, v in record.items() if isinstance(v, (int, float))}
-                    | {"verdict_code": verdict.exit_code}
-                )
-            if verdict.name not in ("idle", "restarted"):  # nothing judged: the state stays
+            time.sleep(settings.interval_s / settings.subwindows)
+            try:
+                snapshot = scrape(settings.url)
+            except Unanswered as error:
+                if down_since is None:
+                    down_since = time.time()
+                    emit(
+                        Verdict("down", f"{error}: waiting for it; a new baseline from its first answer"),
+                        out_dir,
+                        wandb_run,
+                    )
+                continue
+            if down_since is not None:
+                verdict = Verdict("restarted", f"the server answers again after {time.time() - down_since:.0f} s down: a new baseline from this scrape", {"k": snapshot.k})  # fmt: skip
+                down_since = None
+                watcher.baseline(snapshot)
+            else:
+                verdict = watcher.feed(snapshot)
+            if verdict is None:
+                continue
+            if verdict.name == "restarted":
+                check_server(settings.url, target)  # after a restart, the same model (else: bad input)
+                model = next(iter(snapshot.model_names), model)
+            judged = not verdict.numbers.get("window_open")
+            todo = (
+                actions(verdict, cfg, head_dir, list(overrides))
+                if judged and verdict.name != previous
+                else []
+            )
+            emit(verdict, out_dir, wandb_run, todo)
+            if judged and "acceptance_low" in verdict.numbers:
+                write_rules(out_dir, watcher.expected, verdict, model)
+            if not judged or verdict.name in ("restarted", "down"):
+                continue
+            if verdict.name not in ("idle", "insufficient", "unmeasured"):
                 previous = verdict.name
-            before, status, windows = after, verdict.exit_code, windows + 1
+            status, windows = verdict.exit_code, windows + 1
             if settings.once or (settings.windows and windows >= settings.windows):
                 return status
     finally:
@@ -362,17 +346,42 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
             wandb_run.finish()
 
 
+def emit(verdict: Verdict, out_dir: Path, wandb_run=None, todo: list[str] = ()) -> None:
+    """A verdict's status line (and its commands), its timeline record, its W&B step."""
+    record = {"time": time.time(), "verdict": verdict.name, "reason": verdict.reason, **verdict.numbers,
+              "actions": list(todo)}  # fmt: skip
+    with (out_dir / "timeline.jsonl").open("a") as timeline:
+        timeline.write(json.dumps(record) + "\n")
+    print(status_line(verdict), flush=True)
+    for command in todo:
+        print(f"    {command}", flush=True)
+    if wandb_run is not None:
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        wandb_run.log(numbers | {"verdict_code": verdict.exit_code})
+
+
+def interrupted(*_):
+    raise KeyboardInterrupt
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_CODES["idle"]))
+    signal.signal(signal.SIGTERM, interrupted)  # a quiet stop, as Ctrl-C
     try:
         status = watch(cfg, list(HydraConfig.get().overrides.task))
-    except WatchError as error:
-        log.error("%s", error)
-        sys.exit(64)
+    except KeyboardInterrupt:
+        print("watch: stopped", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)
+    except ValueError as error:  # WatchError; a setting refused, a record unreadable or without the k
+        print(f"watch: {error}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)
+    except Exception:  # the watch's own failure: never a verdict's exit code
+        traceback.print_exc()
+        print("watch: crashed (a bug in the watch: the traceback above)", file=sys.stderr, flush=True)
+        sys.exit(CRASHED)
     sys.exit(status)
 
 

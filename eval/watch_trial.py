@@ -37,8 +37,8 @@ from pathlib import Path
 from artifacts.config import compose
 from data_prep.main import build_embedded_target
 from data_prep.sources import load_conversations
+from eval.expectation import expected_from_results
 from eval.grid import server_configs
-from eval.health import expected_from_results
 from eval.server import VllmServer
 from eval.traffic import Traffic
 from eval.watch import watch

@@ -15,8 +15,11 @@ heads/reference_decoder.py). Serve the result with
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -106,7 +109,6 @@ def run(cfg: DictConfig) -> dict:
     protected = {"the run directory": run_dir, "the head": head_dir, "the cache": run_dir / "cache",
                  "the head's cache": cache_dir(record, run_dir), "the target": Path(target_path)}  # fmt: skip
     previous = check_destination(cfg, out_dir, protected)
-    target_config = load_config(cfg.target)
     recorded = record.target.get("hash")
     if recorded and recorded != weights_hash(target_path):
         log.warning(
@@ -119,10 +121,38 @@ def run(cfg: DictConfig) -> dict:
     # or killed verification leaves the previous export, card and proof as they were.
     atomic.recover_dir(out_dir)
     staging = unproven_dir(out_dir)
+    with freed_on_full_disk(staging):
+        verification = build_and_prove(cfg, head_dir, head, record, staging, out_dir, run_dir, target_path)
+    atomic.finish_publish(staging, out_dir, kind="export", legacy=(RECORD,))
+    state = "verified" if cfg.export.verify else "not verified"
+    if previous is not None:
+        was = "verified" if previous.get("verified") else "not verified"
+        log.info("published %s (%s), replacing the export that was there (%s)", out_dir, state, was)
+    else:
+        log.info("published %s (%s)", out_dir, state)
+    return {"export_dir": str(out_dir), "verification": verification}
+
+
+@contextmanager
+def freed_on_full_disk(staging: Path):
+    """A full disk while the unproven export is built: it is this run's partial work (a rerun builds it
+    again), so it is removed to give its space back, and the stage's one line says so."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno == errno.ENOSPC and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+            error.add_note(f"export removed its unfinished {staging}")
+        raise
+
+
+def build_and_prove(cfg, head_dir, head, record, staging, out_dir, run_dir, target_path) -> dict | None:
+    """Export the head into `staging`, verify it (export.verify), estimate SGLang's trees, record it and
+    write its card; VerificationError, with `staging` left for inspection, when verification fails."""
     export_head(
         head_dir,
         staging,
-        target_config,
+        load_config(cfg.target),
         cfg.export.dtype,
         export_format_setting(cfg.export),
         str(cfg.target.path),
@@ -171,7 +201,7 @@ def run(cfg: DictConfig) -> dict:
         note = "export.verify=false: vLLM's acceptance was not compared with the reference decoder's"
     else:
         note = "" if failure is None else f"verification failed: {str(failure).splitlines()[0]}"
-    record_export(staging, verified=cfg.export.verify and failure is None, note=note)
+    record_export(staging, cfg.export.verify and failure is None, note, str(cfg.target.path))
     write_model_card(
         staging,
         head_dir,
@@ -186,14 +216,7 @@ def run(cfg: DictConfig) -> dict:
             f"{failure}\n{kept}; the unproven export, with its card and verification.json, is at {staging}",
             failure.report,
         )
-    atomic.finish_publish(staging, out_dir, kind="export", legacy=(RECORD,))
-    state = "verified" if cfg.export.verify else "not verified"
-    if previous is not None:
-        was = "verified" if previous.get("verified") else "not verified"
-        log.info("published %s (%s), replacing the export that was there (%s)", out_dir, state, was)
-    else:
-        log.info("published %s (%s)", out_dir, state)
-    return {"export_dir": str(out_dir), "verification": verification}
+    return verification
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)

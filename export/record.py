@@ -32,12 +32,14 @@ def served_files(export_dir: Path) -> list[Path]:
     return sorted(p for p in Path(export_dir).rglob("*") if p.name in SERVED_FILES)
 
 
-def record_export(export_dir: Path, verified: bool, note: str = "") -> dict:
+def record_export(export_dir: Path, verified: bool, note: str = "", target: str | None = None) -> dict:
+    """Write the export's record: verified or not (and why), the target it was exported for (the watch
+    checks the served model against it, whatever the format), every served file's size and checksum."""
     files = {
         str(p.relative_to(export_dir)): {"sha256": file_sha256(p), "bytes": p.stat().st_size}
         for p in served_files(export_dir)
     }
-    record = {"verified": verified, "note": note, "files": files}
+    record = {"verified": verified, "note": note, "target": target, "files": files}
     atomic.write_json(Path(export_dir) / RECORD, record)
     return record
 

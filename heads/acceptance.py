@@ -88,18 +88,19 @@ class AcceptanceCounts:
         """Var(A) of one draft's accepted count A = sum_i X_i, X_i = 1[position i accepted]: vLLM accepts a
         prefix, so X_j = 1 implies X_i = 1 for i < j, E[X_i X_j] = p_j and Var(A) = sum_i p_i (1 - p_i)
         + 2 sum_{i<j} p_j (1 - p_i), from the per-position counts alone (p_i `per_position`)."""
-        p = self.per_position
-        variance = sum(pi * (1 - pi) for pi in p)
-        variance += 2 * sum(p[j] * (1 - p[i]) for j in range(len(p)) for i in range(j))
-        return max(variance, 0.0)
+        return prefix_variance(self.per_position)
 
     def mean_acceptance_bounds(self, z: float, dispersion: float = 1.0) -> tuple[float, float]:
         """(low, high): the mean acceptance length +- z standard errors over these drafts (nan without any),
         the drafts independent (`dispersion` 1) or alike within a request: their variance `dispersion`
-        times the independent drafts' (eval/health.py `dispersion`)."""
+        times the independent drafts' (eval/dispersion.py). The variance is never narrower than the drafts'
+        number supports: each position's rate taken as (accepted + 1/2) / (drafts + 1), so that drafts all
+        accepted (or all rejected), as a small measurement gives, still leave a band."""
         if not self.num_drafts:
             return float("nan"), float("nan")
-        half = z * math.sqrt(dispersion * self.draft_variance / self.num_drafts)
+        n = self.num_drafts
+        variance = prefix_variance([(c + 0.5) / (n + 1) for c in self.accepted_per_position])
+        half = z * math.sqrt(dispersion * variance / n)
         return self.mean_acceptance_length - half, self.mean_acceptance_length + half
 
     def summary(self) -> dict:
@@ -143,6 +144,13 @@ class AcceptanceCounts:
 
 
 # The offline estimate from a head's per-depth accuracies (train's held-out eval): 1 + acc_0 + acc_0*acc_1' + ...
+def prefix_variance(p: list[float]) -> float:
+    """Var(A) of a prefix's length A with position rates p (`AcceptanceCounts.draft_variance`)."""
+    variance = sum(pi * (1 - pi) for pi in p)
+    variance += 2 * sum(p[j] * (1 - p[i]) for j in range(len(p)) for i in range(j))
+    return max(variance, 0.0)
+
+
 def chain_counts(right_KBT: Tensor, eligible_KBT: Tensor) -> tuple[Tensor, Tensor]:
     """(hits_K, totals_K): at depth j, positions whose depths < j were all right and that are eligible at j
     (totals), and of those, the ones right at j (hits). Counts, so they sum over batches and ranks.

@@ -318,6 +318,29 @@ def test_a_dflash_export_for_another_target_is_refused_before_any_server(dflash_
     assert not (tmp_path / "out" / "logs").exists()
 
 
+@pytest.mark.parametrize("asked, served", [([2, 4, 6], [2, 4]), ([7, 8], [4])])
+def test_eval_serves_a_dflash_head_at_the_k_it_drafts(dflash_run, tmp_path, asked, served):
+    """Blocks of 2..5 draft k in 1..4: eval's sweep keeps the k among them, says which it dropped, and with
+    none left serves the longest block - the config composes for every stage whatever eval lists."""
+    from eval.grid import server_configs
+
+    head = export_head(dflash_run / "draft_head", tmp_path / "head", smoke_target_config(dflash_run))
+    ks = ",".join(map(str, asked))
+    cfg = smoke_config(
+        dflash_run, *DFLASH, f"eval.heads=[{{name:x,path:{head},num_speculative_tokens:[{ks}]}}]"
+    )
+    configs = server_configs(cfg, dflash_run, smoke_target_config(dflash_run))
+    heads = [c for c in configs if c["head"]]
+    assert (
+        [c["k"] for c in heads]
+        == [c["speculative_config"]["num_speculative_tokens"] for c in heads]
+        == served
+    )
+    dropped = [k for k in asked if k not in served]
+    assert f"head x: k={dropped} of eval.heads[].num_speculative_tokens not served" in heads[0]["note"]
+    assert "trained to draft k in [1, 2, 3, 4]" in heads[0]["note"]
+
+
 VLLM_OVERRIDES = [
     "train.eval_every=0",
     "train.save_every=0",

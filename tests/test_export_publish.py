@@ -193,6 +193,31 @@ def test_a_truncated_export_record_is_named_with_what_to_do(smoke_head, tmp_path
         check_export(run_dir / "export")
 
 
+def test_a_full_disk_while_the_export_is_built_frees_its_staging_and_says_so(
+    smoke_head, tmp_path, monkeypatch
+):
+    """ENOSPC at the record (after the weights were written): the unfinished export.unverified/ is removed,
+    the published export is untouched, and the stage's one line names both the file and what was freed."""
+    import errno
+
+    from artifacts.errors import explain
+
+    run_dir, before = published(smoke_head, tmp_path)
+
+    def full(export_dir, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(export_dir / RECORD))
+
+    monkeypatch.setattr(export_main, "record_export", full)
+    with pytest.raises(OSError) as raised:
+        export_main.run(smoke_config(run_dir, "export.format=plain"))
+    staging = unproven_dir(run_dir / "export")
+    assert not staging.exists()
+    assert {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()} == before
+    line = explain("export", raised.value)
+    assert line.startswith(f"export: no space left on the disk of {staging / RECORD}; export removed its ")
+    assert f"unfinished {staging}: free space, then rerun" in line
+
+
 def test_the_card_labels_each_estimate_by_temperature_and_claims_no_check_export_did_not_run():
     """Nine estimates (T=0, T=1 with greedy and with sampled drafts, k=1..3) each with its temperature; the
     SGLang line says the loader check is the test suite's, and an unverified export is not 'verified above'."""

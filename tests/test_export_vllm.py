@@ -361,6 +361,7 @@ def test_a_head_that_does_not_draft_fails_verification_naming_both_numbers(regen
     assert caught.value.report["parity"]["passed"] and caught.value.report["collapsed"]
 
 
+@pytest.mark.slow  # ~39 s (one vLLM engine that refuses): the default suite's budget
 def test_a_head_vllm_refuses_fails_loudly(regen_head, tmp_path):
     out = export_head(
         regen_head / "draft_head", tmp_path / "bad", AutoConfig.from_pretrained(regen_head / "smoke_target"),

@@ -74,6 +74,7 @@ def test_the_gpu_checks_imports_need_only_what_the_gpu_machine_has(tmp_path):
     )
 
 
+@pytest.mark.slow  # ~14 s; the restricted view itself runs by default (the test above)
 def test_a_module_the_gpu_machine_lacks_fails_the_imports_step_naming_it(tmp_path):
     """The same view without DeepSpeed: the imports step fails in seconds naming the distribution, and the
     sections that need it are skipped with the reason; the others still run (here: none asked)."""

@@ -108,7 +108,8 @@ def test_two_ranks_online_equal_one_process_and_cached_training(
     assert step_losses(ddp_dir) == pytest.approx(step_losses(cached), rel=LOSS_RTOL)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+# ZeRO-3 online is slow (~32 s): ZeRO-3 runs by default in tests/test_train_loop.py, online ZeRO-2 here
+@pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_deepspeed_zero_online_on_two_cpu_ranks_equals_one_process(
     online_run, tmp_path, subprocess_env, zero_stage
 ):

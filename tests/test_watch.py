@@ -32,9 +32,11 @@ class LocalServer:
 class Stub(LocalServer):
     """A served model whose acceptance is `conditional` per position, 800 rounds per scrape."""
 
-    def __init__(self, conditional=MEASURED, model=MODEL, vllm=True):
+    def __init__(self, conditional=MEASURED, model=MODEL, vllm=True, models=None):
         self.server, self.conditional, self.model, self.vllm = Server(), conditional, model, vllm
-        self.last = time.time()
+        self.models = models if models is not None else [{"id": model, "root": model}]
+        self.last, self.scrapes, self.down = time.time(), 0, ()  # `down`: scrape numbers answered 503
+        self.restart_at = None  # the scrape at which a new server process, already past the old one, answers
 
     def __enter__(self):
         stub = self
@@ -42,12 +44,18 @@ class Stub(LocalServer):
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 if self.path == "/metrics":
+                    stub.scrapes += 1
+                    if stub.scrapes == stub.restart_at:
+                        stub.server = Server(seed=9, started=1.8e9).serve(1.0, 40000)
+                    if stub.scrapes in stub.down:
+                        self.send_error(503)
+                        return
                     now = time.time()  # in flight all along: concurrency 1 by Little's law
                     stub.server.serve(now - stub.last, 800, conditional=stub.conditional)
                     stub.last = now
                     body = stub.server.metrics() if stub.vllm else "# TYPE up gauge\nup 1.0\n"
                 elif self.path == "/v1/models":
-                    body = json.dumps({"data": [{"id": stub.model, "root": stub.model}]})
+                    body = json.dumps({"data": stub.models})
                 else:
                     self.send_error(404)
                     return
@@ -92,7 +100,7 @@ def test_one_window_exit_codes_and_what_it_writes(tmp_path, head, results):  # n
     out = head.parent / "watch"
     record = json.loads((out / "timeline.jsonl").read_text().splitlines()[-1])
     assert record["verdict"] == "healthy" and record["actions"] == []
-    assert record["drafts"] == 800 * 10 and record["dispersion"] < 3  # 10 scrapes of 800 rounds each
+    assert record["drafts"] == 800 * 20 and record["dispersion"] < 3  # 20 scrapes of 800 rounds each
     rules = yaml.safe_load((out / "alerts.yml").read_text())["groups"][0]["rules"]
     assert [r["alert"] for r in rules] == ["SpeculativeHeadDegraded", "SpeculativeHeadNetNegative"]
     assert f'model_name="{MODEL}"' in rules[0]["expr"]
@@ -148,7 +156,7 @@ def test_without_eval_results_verification_is_the_record(tmp_path, head, caplog)
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("unreachable", r"watch.url=http://127.0.0.1:9: /v1/models did not list a model"),
+        ("unreachable", r"watch.url=http://127.0.0.1:9: no answer from http://127.0.0.1:9/metrics"),
         ("not vllm", r"no vllm: metrics in this /metrics text: not a vLLM server"),
         (
             "other model",
@@ -166,6 +174,94 @@ def test_bad_input_is_refused_naming_what_is_wrong(tmp_path, head, case, message
         extra = [f"watch.head={tmp_path / 'nowhere'}"] if case == "no export" else []
         with pytest.raises(WatchError, match=message):
             watch(config(tmp_path, head, url, "watch.once=true", *extra))
+
+
+def test_an_outage_and_a_restart_are_verdicts_and_the_watch_goes_on(tmp_path, head, results):  # noqa: F811
+    """Scrapes 25-34 unanswered (a server restarting): `down` once, then `restarted` with a new baseline
+    from its first answer; a restart whose counters passed the old ones by the next scrape is `restarted`
+    by its start time. Neither ends the watch or counts as a judged window."""
+    with Stub() as stub:
+        stub.down = range(25, 35)
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                     "watch.windows=2")  # fmt: skip
+        assert watch(cfg) == 0
+    names = [json.loads(line)["verdict"] for line in (head.parent / "watch" / "timeline.jsonl").open()]
+    assert names == ["healthy", "down", "restarted", "healthy"]
+
+    with Stub() as stub:
+        stub.restart_at = 25
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                     "watch.windows=2")  # fmt: skip
+        assert watch(cfg) == 0
+    lines = (head.parent / "watch" / "timeline.jsonl").read_text().splitlines()[4:]
+    records = [json.loads(line) for line in lines]
+    assert [r["verdict"] for r in records].count("restarted") == 1
+    assert "process_start_time_seconds" in next(r["reason"] for r in records if r["verdict"] == "restarted")
+
+
+def test_the_served_model_is_checked_for_every_export_format(tmp_path, head, results):  # noqa: F811
+    """A plain export (no speculators verifier): its record names the target; an empty model list, and LoRA
+    adapters beside the base model (warned: their traffic is in the counters)."""
+    (head / "config.json").write_text(json.dumps({"architectures": ["Eagle3LlamaForCausalLM"]}))
+    (head / "export_record.json").write_text(json.dumps({"verified": True, "target": MODEL, "files": {}}))
+    with Stub(model="/models/Qwen3-8B") as stub:
+        with pytest.raises(WatchError, match=r"serves '/models/Qwen3-8B'; the head was trained for"):
+            watch(config(tmp_path, head, stub.url, f"watch.results={results}", "watch.once=true"))
+    with Stub(models=[]) as stub:
+        with pytest.raises(WatchError, match=r"/v1/models lists no model"):
+            watch(config(tmp_path, head, stub.url, f"watch.results={results}", "watch.once=true"))
+
+
+def test_rules_and_panel_are_written_from_the_judged_window(tmp_path, head, results):  # noqa: F811
+    with Stub() as stub:
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                     "watch.once=true")  # fmt: skip
+        assert watch(cfg) == 0
+    out = head.parent / "watch"
+    window = json.loads((out / "timeline.jsonl").read_text().splitlines()[-1])
+    rules = yaml.safe_load((out / "alerts.yml").read_text())["groups"][0]["rules"]
+    assert [float(r["expr"].split(" < ")[1].split()[0]) for r in rules] == [
+        round(window["expected_low"], 4),
+        round(window["break_even"], 4),
+    ]
+    assert f"{window['drafts']:.0f} drafts" in rules[0]["annotations"]["window"]
+
+
+def test_exit_codes_never_read_as_a_verdict(tmp_path, head, results, subprocess_env):  # noqa: F811
+    """A bad setting or an unreadable record: one line, exit 64 (never 1, "retrain"); SIGTERM (turned into
+    Ctrl-C's KeyboardInterrupt): a quiet stop, exit 130."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    def run(*overrides):
+        command = [sys.executable, str(REPO / "eval/watch.py"), "experiment=smoke", f"run_dir={head.parent}",
+                   f"watch.results={results}", "watch.eval_head=peagle", *overrides]  # fmt: skip
+        return subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+
+    with Stub() as stub:
+        done = run(f"watch.url={stub.url}", "watch.z=inf")
+        assert done.wait(timeout=120) == 64
+        assert (
+            done.stderr.read().strip().splitlines()[-1].startswith("watch: watch.z=inf: must be in (0, 10]")
+        )
+        bad = tmp_path / "truncated_results.json"
+        bad.write_text(results.read_text()[:40])
+        done = run(f"watch.url={stub.url}", f"watch.results={bad}")
+        assert done.wait(timeout=120) == 64
+        line = done.stderr.read().strip().splitlines()[-1]
+        assert line.startswith(f"watch: {bad}: not readable eval results") and "Traceback" not in line
+        watching = run(f"watch.url={stub.url}", "watch.interval_s=0.2")
+        timeline = head.parent / "watch" / "timeline.jsonl"
+        deadline = time.monotonic() + 120
+        while not timeline.exists() and time.monotonic() < deadline and watching.poll() is None:
+            time.sleep(0.2)
+        watching.send_signal(signal.SIGTERM)  # the handler raises Ctrl-C's KeyboardInterrupt: both paths
+        assert watching.wait(timeout=30) == 130
+        assert watching.stderr.read().strip().splitlines()[-1] == "watch: stopped"
 
 
 class CompletionsStub(LocalServer):
