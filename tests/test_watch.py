@@ -212,6 +212,30 @@ def test_the_served_model_is_checked_for_every_export_format(tmp_path, head, res
             watch(config(tmp_path, head, stub.url, f"watch.results={results}", "watch.once=true"))
 
 
+def test_an_interrupted_publication_lora_adapters_and_an_out_dir_under_a_file(
+    tmp_path,
+    head,
+    results,
+    caplog,  # noqa: F811
+):
+    """The export left aside by a publication killed between its renames is recovered, as eval does; LoRA
+    adapters beside the base model are warned about; an out_dir under a file is one line."""
+    from artifacts.atomic import old_path
+
+    head.rename(old_path(head))
+    lora = {"id": "sql-lora", "root": "/adapters/sql", "parent": MODEL}
+    with Stub(models=[{"id": MODEL, "root": MODEL}, lora]) as stub:
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                     "watch.once=true")  # fmt: skip
+        assert watch(cfg) == 0
+        assert (head / "config.json").exists() and not old_path(head).exists()
+        assert "also serves LoRA adapters ['sql-lora']" in caplog.text
+        (tmp_path / "file").write_text("")
+        with pytest.raises(WatchError, match=r"watch.out_dir=.*file/watch: cannot be a directory"):
+            watch(config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                         "watch.once=true", f"watch.out_dir={tmp_path / 'file' / 'watch'}"))  # fmt: skip
+
+
 def test_rules_and_panel_are_written_from_the_judged_window(tmp_path, head, results):  # noqa: F811
     with Stub() as stub:
         cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
