@@ -42,6 +42,13 @@ $(STAMP): pyproject.toml Makefile
 	# into a directory of its own, imported only by a subprocess (its pins would replace our torch and vLLM,
 	# and importing it patches transformers); --no-deps, with orjson, the one dependency its loader needs.
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/sglang sglang==0.5.23 orjson==3.13.0
+	# Prometheus' promtool, for the test that checks and runs the watch's alert rules with it
+	# (tests/test_watch_rules.py): Debian's package downloaded and unpacked into the venv - no root, no
+	# service; where apt-get is missing or offline the test is skipped and says so.
+	rm -rf $(VENV)/promtool-deb && mkdir -p $(VENV)/promtool-deb && cd $(VENV)/promtool-deb && \
+	  (apt-get download -q prometheus >/dev/null 2>&1 && dpkg-deb -x prometheus_*.deb . && \
+	   cp usr/bin/promtool ../bin/promtool || echo "promtool not installed: tests/test_watch_rules.py skips it")
+	rm -rf $(VENV)/promtool-deb
 	touch $(STAMP)
 
 setup: $(STAMP)

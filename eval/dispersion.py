@@ -31,7 +31,7 @@ REQUESTS_PER_BATCH = 2.0
 
 def batches(times: Sequence[float], min_seconds: float) -> list[tuple[int, int]]:
     """The scrapes at `times` (a window's, first to last) cut into consecutive batches of at least
-    `min_seconds` each, as (first, last) index pairs; a shorter tail joins the last batch. None where
+    `min_seconds` each, as (first, last) index pairs; a shorter tail joins the last batch. No batch where
     `min_seconds` is not a finite number (no request finished: every request outlived the window so far).
     A batch's counts are its last scrape's less its first's (the counters are cumulative)."""
     if not math.isfinite(min_seconds):

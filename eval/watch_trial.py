@@ -3,6 +3,9 @@ after a base-model upgrade, then after the retrain the watch itself prescribed.
 
     python eval/watch_trial.py                       # runs/smollm2's head; results in runs/watch_trial
     python eval/watch_trial.py --windows 30 --interval-s 20 --k 2 --run-dir runs/smollm2 --out runs/watch_trial
+    python eval/watch_trial.py --max-tokens 512 --concurrency 4 --out runs/watch_trial_long   # long answers
+    python eval/watch_trial.py --experiment smoke_regen --run-dir runs/smoke_long --head-name head --k 3 \
+        --max-tokens 512 --phases before --traffic heldout --out runs/watch_smoke_long   # the smoke run
 
 1. before: the run's head served on its own target (compiled, as eval serves), eval's client sending
    ShareGPT questions the head never saw (the ones after the run's `data.num_samples`), one at a time; the
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 from artifacts.config import compose
+from artifacts.prompts import read_conversations
 from data_prep.main import build_embedded_target
 from data_prep.sources import load_conversations
 from eval.expectation import expected_from_results
@@ -69,6 +73,11 @@ def below_band_if_independent(record: dict, expected, z: float) -> bool:
     return counts.mean_acceptance_bounds(z)[1] < expected.band_low(z)
 
 
+def judged(records: list[dict]) -> list[dict]:
+    """The timeline's judged windows: not a window still growing, nor a restart, an outage or an idle one."""
+    return [r for r in records if "acceptance_low" in r and not r.get("window_open")]
+
+
 class Trial:
     def __init__(self, args):
         self.args, self.out = args, Path(args.out)
@@ -82,10 +91,26 @@ class Trial:
         ]
         base = compose("config", [*self.overrides, f"run_dir={args.run_dir}"])
         self.traffic_log = self.out / "requests.jsonl"
-        self.conversations = self.unseen_questions(base)
-        upgraded = compose("config", [*self.overrides, "target=smollm2_upgraded"]).target
-        build_embedded_target(upgraded)  # once, beside SmolLM2, as data_prep builds it
-        self.upgraded = str(target_dir(upgraded))
+        self.conversations = (
+            self.unseen_questions(base) if args.traffic == "unseen" else self.held_out(args.run_dir)
+        )
+        self.upgraded = None  # built when the upgrade phase first needs it
+
+    def upgraded_target(self) -> str:
+        """SmolLM2's upgraded checkpoint (docs/workflows.md), built once beside SmolLM2 as data_prep does."""
+        if self.upgraded is None:
+            upgraded = compose("config", [*self.overrides, "target=smollm2_upgraded"]).target
+            build_embedded_target(upgraded)
+            self.upgraded = str(target_dir(upgraded))
+        return self.upgraded
+
+    @staticmethod
+    def held_out(run_dir: str) -> list[dict]:
+        """The run's held-out conversations (its cache), sent over and over: a run whose data has no
+        questions left after its own (the smoke run's 64)."""
+        loaded = read_conversations(Path(run_dir) / "cache" / "eval_conversations.jsonl")
+        log.info("traffic: the run's %d held-out conversations, repeated", len(loaded))
+        return loaded
 
     def unseen_questions(self, cfg) -> list[dict]:
         """ShareGPT's conversations after the first `data.num_samples` the run trained and was evaluated
@@ -132,13 +157,14 @@ class Trial:
             url = server.url
             tokenizer = load_tokenizer(served_cfg.target)
             with Traffic(
-                url, served, tokenizer, self.conversations, self.traffic_log, start=start
-            ) as traffic:
+                url, served, tokenizer, self.conversations, self.traffic_log, start=start,
+                concurrency=args.concurrency, max_tokens=args.max_tokens,
+            ) as traffic:  # fmt: skip
                 status = watch(
                     compose("config", [*watch_overrides, f"watch.url={url}"]),
                     [*watch_overrides, f"watch.url={url}"],
                 )
-        records = [json.loads(line) for line in timeline.open()]
+        records = judged([json.loads(line) for line in timeline.open()])
         verdicts = collections.Counter(r["verdict"] for r in records)
         expected = expected_from_results(
             Path(run_dir) / "eval" / "results.json", args.head_name, args.k, cfg.watch.temperature
@@ -148,7 +174,10 @@ class Trial:
             "run_dir": run_dir,
             "target": served,
             "k": args.k,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
             "windows": len(records),
+            "window_seconds": [round(r["seconds"]) for r in records],
             "verdicts": dict(verdicts),
             "exit_status": status,
             "mean_acceptance_length": [round(r["mean_acceptance_length"], 3) for r in records],
@@ -203,8 +232,10 @@ class Trial:
         args = self.args
         if "before" not in self.summary:
             self.serve_and_watch("before", args.run_dir, None, args.windows)
+        if args.phases == "before":
+            return self.summary
         if "upgrade" not in self.summary:
-            self.serve_and_watch("upgrade", args.run_dir, self.upgraded, args.upgrade_windows)
+            self.serve_and_watch("upgrade", args.run_dir, self.upgraded_target(), args.upgrade_windows)
         switched = self.summary["upgrade"].get("first_not_healthy")
         if switched is None:
             log.warning("the old head stayed healthy on the new checkpoint: nothing to retrain")
@@ -213,7 +244,7 @@ class Trial:
             self.retrain(switched["actions"])
         if "after" not in self.summary:
             self.serve_and_watch(
-                "after", f"{args.run_dir.rstrip('/')}_retrained", self.upgraded, args.windows
+                "after", f"{args.run_dir.rstrip('/')}_retrained", self.upgraded_target(), args.windows
             )
         return self.summary
 
@@ -239,11 +270,10 @@ def plot(out: Path) -> Path | None:
     if not phases:
         return None
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.set(xlabel="window (20 s each)", ylabel="mean acceptance length", ylim=(0.9, 1.95))
+    ax.set(xlabel="judged window", ylabel="mean acceptance length", ylim=(0.9, 1.95))
     x0 = 0
     for phase, path in phases:
-        records = [json.loads(line) for line in path.open()]
-        records = [r for r in records if "acceptance_low" in r]
+        records = judged([json.loads(line) for line in path.open()])
         for x, r in enumerate(records, x0):
             color = COLORS.get(r["verdict"], "tab:gray")
             low, high, length = r["acceptance_low"], r["acceptance_high"], r["mean_acceptance_length"]
@@ -280,7 +310,21 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2, help="the served k (eval's recommendation for chat)")
     parser.add_argument("--windows", type=int, default=30, help="windows watched before and after")
     parser.add_argument("--upgrade-windows", type=int, default=6, help="windows watched after the upgrade")
-    parser.add_argument("--interval-s", type=float, default=20.0, help="the watch's window")
+    parser.add_argument(
+        "--interval-s",
+        type=float,
+        default=20.0,
+        help="the watch's interval (windows grow to hold their requests)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="the traffic's answer length")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests the traffic keeps in flight")
+    parser.add_argument(
+        "--phases", choices=("all", "before"), default="all", help="before: the false-alarm phase alone"
+    )
+    parser.add_argument(
+        "--traffic", choices=("unseen", "heldout"), default="unseen",
+        help="unseen: the data source's questions after the run's; heldout: the run's held-out ones, repeated",
+    )  # fmt: skip
     parser.add_argument("--num-questions", type=int, default=2000, help="ShareGPT questions to send from")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -7,6 +7,8 @@ import json
 import math
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -56,13 +58,18 @@ def series(name, instance, values):
     }
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="Prometheus' promtool is not installed")
+# make setup unpacks Debian's promtool into the venv; one on the PATH serves too
+VENV_PROMTOOL = Path(sys.executable).parent / "promtool"
+PROMTOOL = str(VENV_PROMTOOL) if VENV_PROMTOOL.exists() else shutil.which("promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="Prometheus' promtool is not installed (make setup unpacks it)")
 def test_prometheus_checks_the_rules_and_fires_them_for_the_collapsed_replica_only(judged, tmp_path):
     expected, verdict = judged
     (tmp_path / "alerts.yml").write_text(
         yaml.safe_dump(alert_rules(expected, verdict, MODEL), sort_keys=False)
     )
-    checked = subprocess.run(["promtool", "check", "rules", str(tmp_path / "alerts.yml")], capture_output=True,
+    checked = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "alerts.yml")], capture_output=True,
                              text=True)  # fmt: skip
     assert checked.returncode == 0 and "SUCCESS: 2 rules found" in checked.stdout, (
         checked.stdout + checked.stderr
@@ -119,6 +126,6 @@ def test_prometheus_checks_the_rules_and_fires_them_for_the_collapsed_replica_on
         ],
     }
     (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
-    tested = subprocess.run(["promtool", "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True,
+    tested = subprocess.run([PROMTOOL, "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True,
                             text=True)  # fmt: skip
     assert tested.returncode == 0, tested.stdout + tested.stderr + json.dumps(tests)[:2000]
