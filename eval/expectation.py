@@ -52,13 +52,9 @@ class Expected:
         best = min(measured, key=lambda c: abs(math.log(c / observed)))
         return [run for run in self.runs if run.concurrency == best]
 
-    def break_even(self, concurrency: float | None) -> float | None:
+    def break_even(self, concurrency: float) -> float | None:
         """L at which speculation stops paying at this concurrency (median over workloads of L / speedup);
-        None (concurrency): the most conservative, the highest over the measured concurrencies; None
-        without a measured speedup."""
-        if concurrency is None:
-            values = [self.break_even(float(c)) for c in sorted({run.concurrency for run in self.runs})]
-            return max((v for v in values if v is not None), default=None)
+        None without a measured speedup."""
         values = [
             run.acceptance.mean_acceptance_length / run.speedup
             for run in self.nearest(concurrency)

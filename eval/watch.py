@@ -48,6 +48,7 @@ from eval.expectation import (
 )
 from eval.health import BAD_INPUT, CRASHED, INTERRUPTED, Snapshot, Verdict, Watcher, read_snapshot
 from eval.server import http_get
+from export.record import read_record
 from export.to_vllm import read_export_config
 
 log = logging.getLogger("watch")
@@ -96,8 +97,7 @@ def served_model(url: str) -> tuple[str, str | None]:
 def head_target(head_dir: Path) -> str | None:
     """The target the head was exported for: the export's record (every format), else speculators'
     verifier; None when neither says."""
-    record = head_dir / "export_record.json"
-    if record.exists() and (target := read_json(record, "export record").get("target")):
+    if target := (read_record(head_dir) or {}).get("target"):
         return target
     config = read_json(head_dir / "config.json", "export config")
     return (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
@@ -299,7 +299,7 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
         wandb_run = wandb.init(
             project=settings.wandb_project, mode=settings.wandb_mode, dir=str(out_dir), job_type="watch"
         )
-    previous, status, windows, down_since = "healthy", 0, 0, None
+    status, windows, down_since = 0, 0, None
     try:
         while True:
             time.sleep(settings.interval_s / settings.subwindows)
@@ -314,6 +314,7 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
                         wandb_run,
                     )
                 continue
+            previous = watcher.previous  # the last judged verdict, before this scrape
             if down_since is not None:
                 verdict = Verdict("restarted", f"the server answers again after {time.time() - down_since:.0f} s down: a new baseline from this scrape", {"k": snapshot.k})  # fmt: skip
                 down_since = None
@@ -336,8 +337,6 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
                 write_rules(out_dir, watcher.expected, verdict, model)
             if not judged or verdict.name in ("restarted", "down"):
                 continue
-            if verdict.name not in ("idle", "insufficient", "unmeasured"):
-                previous = verdict.name
             status, windows = verdict.exit_code, windows + 1
             if settings.once or (settings.windows and windows >= settings.windows):
                 return status

@@ -149,18 +149,19 @@ def freed_on_full_disk(staging: Path):
 def build_and_prove(cfg, head_dir, head, record, staging, out_dir, run_dir, target_path) -> dict | None:
     """Export the head into `staging`, verify it (export.verify), estimate SGLang's trees, record it and
     write its card; VerificationError, with `staging` left for inspection, when verification fails."""
+    setting = export_format_setting(cfg.export)
     export_head(
         head_dir,
         staging,
         load_config(cfg.target),
         cfg.export.dtype,
-        export_format_setting(cfg.export),
+        setting,
         str(cfg.target.path),
         cfg.export.num_speculative_tokens,
         head,
         engine=cfg.export.engine,
     )
-    fmt = export_format(record.kind, export_format_setting(cfg.export))
+    fmt = export_format(record.kind, setting)
     log.info("exported %s (%s, %s format, %s)", staging, record.kind, fmt, cfg.export.dtype)
 
     verification, failure = None, None

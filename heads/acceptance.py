@@ -143,7 +143,6 @@ class AcceptanceCounts:
         )
 
 
-# The offline estimate from a head's per-depth accuracies (train's held-out eval): 1 + acc_0 + acc_0*acc_1' + ...
 def prefix_variance(p: list[float]) -> float:
     """Var(A) of a prefix's length A with position rates p (`AcceptanceCounts.draft_variance`)."""
     variance = sum(pi * (1 - pi) for pi in p)
@@ -151,6 +150,7 @@ def prefix_variance(p: list[float]) -> float:
     return max(variance, 0.0)
 
 
+# The offline estimate from a head's per-depth accuracies (train's held-out eval): 1 + acc_0 + acc_0*acc_1' + ...
 def chain_counts(right_KBT: Tensor, eligible_KBT: Tensor) -> tuple[Tensor, Tensor]:
     """(hits_K, totals_K): at depth j, positions whose depths < j were all right and that are eligible at j
     (totals), and of those, the ones right at j (hits). Counts, so they sum over batches and ranks.

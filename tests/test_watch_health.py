@@ -274,7 +274,6 @@ def test_expected_reads_what_eval_measured_and_names_what_is_missing(results, tm
     chat = expected_from_results(results, "peagle", 2, workload="chat")
     assert {run.workload for run in chat.runs} == {"chat"} and len(chat.runs) == 2
     assert [run.concurrency for run in chat.nearest(3.0)] == [4]
-    assert chat.break_even(None) == max(chat.break_even(1.0), chat.break_even(4.0))  # the most conservative
     with pytest.raises(
         NotMeasured, match=r"results.json: no run of head 'peagle' at k=3.*\('peagle', 2, 0.0\)"
     ):

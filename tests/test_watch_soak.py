@@ -72,8 +72,8 @@ def scrapes(rng, num_rounds, mean_rounds, collapse_at=None, k=2, started=1.0):
     return out
 
 
-def verdicts(stream, watcher=None):
-    watcher = watcher or Watcher(expected)
+def verdicts(stream):
+    watcher = Watcher(expected)
     return [v for v in map(watcher.feed, stream) if v is not None and v.name != "insufficient"]
 
 
