@@ -377,8 +377,11 @@ def test_eagle1_golden_first_losses_and_the_vllm_tensor_set(train_run):
     # As for EAGLE-3 and P-EAGLE above (fp32, one thread, seed 0; rel=1e-4 for the same reasons): a change
     # here means EAGLE-1's layer, its feature-regression + token loss, the noise on its features or the data
     # changed.
+    # Its feature noise comes from the device's generator: on CUDA another stream than the CPU's, the losses
+    # 0.02-0.24% off these on an H200 (2026-11-27; docs/gpu.md), so there a looser tolerance.
     golden = [1.4815874099731445, 1.7993818521499634, 1.0285396575927734]
-    assert [losses[1], losses[2], losses[3]] == pytest.approx(golden, rel=1e-4)
+    rel = 5e-3 if torch.cuda.is_available() else 1e-4
+    assert [losses[1], losses[2], losses[3]] == pytest.approx(golden, rel=rel)
     assert losses[8] < losses[1]
     weights = load_file(str(train_run / "draft_head" / "model.safetensors"))
     assert weights["fc.weight"].shape == (256, 512)

@@ -206,6 +206,15 @@ def run_speculators(args, device) -> dict:
         optimizer=args.speculators_optimizer, hidden_states_dtype=torch.bfloat16, log_freq=1,
         max_steps=num_steps,
     )  # fmt: skip
+    if loss == "fused":
+        # Its two fused kernels share one list of autotune configs (one triton.autotune decorator applied
+        # twice); torch 2.11's dynamo, tracing the loss inside the compiled metrics, refuses one list reached
+        # from two sources ("ListVariable ... is already tracked for mutation", H200, 2026-11-27). A list of
+        # its own per kernel: the same configs, nothing else changed.
+        from speculators.losses import fused
+
+        for kernel in (fused.loss_forward_kernel, fused.loss_backward_kernel):
+            kernel.configs = list(kernel.configs)
     if device.type == "cpu":  # a rehearsal: its trainer assumes an accelerator (device 0, synchronised)
         import speculators.train.trainer as trainer_module
 
