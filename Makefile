@@ -5,7 +5,7 @@
 #                 6 min there, 24 min on AVX2 only); rerun it to continue after an interrupt
 #   make smoke    every stage on the tiny smoke target
 #   make gpu-check  on a lent GPU machine (no venv, no network: its own torch, the wheels of `make gpu-wheels`
-#                 carried; `python3 tests/gpu_check.py --out DIR` where there is no make): our trainer beside
+#                 carried; `python3 -m bench.gpu_check --out DIR` where there is no make): our trainer beside
 #                 speculators', step time, tokens/s and peak memory per head kind at the 8B shapes, the smoke
 #                 pipeline on CUDA, ZeRO-2 on one rank, the golden losses (docs/gpu.md#the-gpu-check)
 #   make bench    data_prep (caching, vLLM capture, regeneration with capture) and train benchmarks, online
@@ -59,8 +59,10 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q
 
+# ruff, then the house's layout (tests/test_layout.py: imports point down, no cycle, no module over 450 lines,
+# no sys.path edit); the default suite runs the layout's checks too.
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(PY) -m pytest -q -p no:cacheprovider tests/test_layout.py
 
 # Each stage leaves a stamp when it finishes, so a rerun skips finished stages and resumes the interrupted
 # one (every stage keeps its own finished work: regenerated chunks, cache shards, checkpoints, eval runs).
@@ -93,22 +95,22 @@ smoke: setup
 	$(PY) eval/main.py experiment=smoke_regen run_dir=$(RUN_DIR)
 
 bench: setup
-	$(PY) data_prep/benchmark.py --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
-	$(PY) data_prep/benchmark.py --num-samples 8 --repeats 2 --out runs/bench/data_prep_smollm2.json -- experiment=smollm2 run_dir=runs/bench/smollm2
-	$(PY) data_prep/benchmark_regen.py --num-prompts 64 --max-tokens 64 --out runs/bench/regen_smollm2.json -- experiment=smollm2 run_dir=runs/bench/regen
+	$(PY) -m bench.capture --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+	$(PY) -m bench.capture --num-samples 8 --repeats 2 --out runs/bench/data_prep_smollm2.json -- experiment=smollm2 run_dir=runs/bench/smollm2
+	$(PY) -m bench.regen --num-prompts 64 --max-tokens 64 --out runs/bench/regen_smollm2.json -- experiment=smollm2 run_dir=runs/bench/regen
 	$(PY) data_prep/main.py experiment=smoke run_dir=runs/bench/smoke
-	$(PY) train/benchmark.py --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+	$(PY) -m bench.train --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/main.py run_dir=runs/bench/tb_smol data.num_samples=24 render.max_length=512
-	$(PY) train/benchmark.py --num-batches 4 --repeats 3 --out runs/bench/train_smollm2.json -- run_dir=runs/bench/tb_smol train.batch_size=2
-	$(PY) train/benchmark_attention.py --seq-len 2048 --extra 6 --repeats 2 --out runs/bench/attention_llama31_8b.json
-	$(PY) train/benchmark_memory.py --recipe llama31_8b --kinds eagle3 --batch-size 1 --seq-len 2048 --out runs/bench/memory_llama31_8b_eagle3.json
-	$(PY) train/benchmark_online.py --steps 40 --warmup 5 --work-dir runs/bench/online_smoke --out runs/bench/online_smoke.json -- experiment=smoke
-	$(PY) train/benchmark_online.py --steps 12 --warmup 2 --work-dir runs/bench/online_smollm2 --out runs/bench/online_smollm2.json -- experiment=smollm2 data.num_samples=200 regen.enabled=false
+	$(PY) -m bench.train --num-batches 4 --repeats 3 --out runs/bench/train_smollm2.json -- run_dir=runs/bench/tb_smol train.batch_size=2
+	$(PY) -m bench.attention --seq-len 2048 --extra 6 --repeats 2 --out runs/bench/attention_llama31_8b.json
+	$(PY) -m bench.memory --recipe llama31_8b --kinds eagle3 --batch-size 1 --seq-len 2048 --out runs/bench/memory_llama31_8b_eagle3.json
+	$(PY) -m bench.online --steps 40 --warmup 5 --work-dir runs/bench/online_smoke --out runs/bench/online_smoke.json -- experiment=smoke
+	$(PY) -m bench.online --steps 12 --warmup 2 --work-dir runs/bench/online_smollm2 --out runs/bench/online_smollm2.json -- experiment=smollm2 data.num_samples=200 regen.enabled=false
 
 # Not through the venv: the GPU machine has its own CUDA torch and no network (its python3 holds torch). There,
 # without make: docs/gpu.md#the-gpu-check.
 gpu-check:
-	PYTHONUNBUFFERED=1 python3 tests/gpu_check.py --out runs/gpu_check
+	PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out runs/gpu_check
 
 # The Python packages the GPU machine lacks (tests/gpu_wheels.txt), as wheels for CPython 3.12, into .whl/
 # (ignored by git: the device tool carries it). The "sdist" lines (antlr4, DeepSpeed) ship sources only:

@@ -125,17 +125,10 @@ class CapturedChunks:
     def __init__(self, cfg, target_path: str, layers: CaptureLayers, cache_dir: Path, rank: int):
         self.cfg, self.target_path, self.layers, self.cache_dir = cfg, target_path, layers, cache_dir
         self.storage = storage_dir(cache_dir, rank)
-        self.engine: CaptureEngine | None = None
 
-    def start(self, device_index) -> CaptureEngine:
-        engine = capture_engine(self.cfg, self.target_path, self.layers, self.storage, device_index, True)
-        self.engine = engine.__enter__()
-        return self.engine
-
-    def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.__exit__(None, None, None)
-            self.engine = None
+    def engine(self, device_index) -> CaptureEngine:
+        """The capture engine that regenerates (a context: stopped with its files when it leaves)."""
+        return capture_engine(self.cfg, self.target_path, self.layers, self.storage, device_index, True)
 
     def chunk_writer(self, chunk: int) -> ChunkShards:
         """Where chunk `chunk`'s samples go, as the engine's files are read."""

@@ -9,7 +9,6 @@ with any number of processes - reuses every finished chunk.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 from collections import Counter
@@ -18,8 +17,7 @@ from pathlib import Path
 from artifacts import atomic
 from artifacts.cache import file_sha256
 from data_prep.render import render_conversation
-from target.launch import engine_devices
-from target.vllm import EngineSettings, start_llm
+from target.vllm import EngineSettings, running_llm
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +33,13 @@ def regen_settings(cfg) -> dict:
 
 
 def start_engine(target_path: str, cfg, device_index: int | None = None):
-    """The plain regeneration engine (`capture.engine=hf`: the states are computed afterwards)."""
+    """The plain regeneration engine (`capture.engine=hf`: the states are computed afterwards), a context:
+    shut down when it leaves. Its processes start on this rank's GPU (`device_index`; None: CPU)."""
     # No counters to read here: the offline engine keeps its stats off, as it does by default.
     settings = EngineSettings(
         target_path, None, dict(cfg.vllm_kwargs), "regen.vllm_kwargs", seed=cfg.seed, log_stats=False
     )
-    with engine_devices(device_index):  # the engine's processes start on this rank's GPU
-        return start_llm(settings)
+    return running_llm(settings, (device_index, 1))
 
 
 def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, sink=None):
@@ -196,10 +194,10 @@ def regenerate_rank_share(
         log.info("reusing %d finished chunk(s) of regenerated answers in %s", len(mine) - len(todo), out_dir)
     if todo:
         device_index = accelerator.local_process_index if accelerator.device.type == "cuda" else None
-        engine = (
-            start_engine(target_path, cfg, device_index) if capture is None else capture.start(device_index)
+        running = (
+            start_engine(target_path, cfg, device_index) if capture is None else capture.engine(device_index)
         )
-        try:
+        with running as engine:
             for number, c in enumerate(todo):
                 log.info("regenerating chunk %d of %d (%d conversations; %d/%d of this rank's)",
                          c + 1, len(chunks), len(chunks[c]), number + 1, len(todo))  # fmt: skip
@@ -218,12 +216,6 @@ def regenerate_rank_share(
                     chunk_path(c),
                     {"ids": ids(c), "counts": counts, **shards, "conversations": conversations_done},
                 )
-        finally:
-            if capture is None:
-                del engine
-                gc.collect()
-            else:
-                capture.stop()
     accelerator.wait_for_everyone()
 
     by_id, counts, shards = {}, Counter(), []

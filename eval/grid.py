@@ -10,8 +10,9 @@ import logging
 from pathlib import Path
 
 from artifacts import atomic
+from export.read_vllm import export_trained_ks, read_export_config
 from export.record import check_export
-from export.to_vllm import check_head_fits_target, export_trained_ks, read_export_config, speculative_config
+from export.to_vllm import check_head_fits_target, speculative_config
 from heads.kinds import head_kind
 
 log = logging.getLogger("eval")

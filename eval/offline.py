@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from eval.workloads import Conversation, Prompt, num_requests
-from export.to_vllm import read_export
+from export.read_vllm import read_export
 from heads.acceptance import AcceptanceCounts
 from heads.reference_decoder import DraftHead, inference_device, on_target, speculative_generate
 

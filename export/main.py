@@ -28,15 +28,15 @@ from omegaconf import DictConfig, OmegaConf
 from artifacts import atomic
 from artifacts.config import check_config, export_format_setting, refuse, register_configs
 from artifacts.errors import stage_errors
-from artifacts.prompts import held_out_prompts, stop_token_ids
+from artifacts.prompts import stop_token_ids
 from artifacts.run_lock import holds_run_dir
 from export.card import write_model_card
 from export.record import RECORD, read_record, record_export, unproven_dir
 from export.sglang_trees import run_trees
 from export.to_sglang import for_sglang
 from export.to_vllm import export_format, export_head
-from export.verify import VerificationError, verify_export
-from heads.head_file import HeadRecord, read_head
+from export.verify import VerificationError, cache_dir, verification_prompts, verify_export
+from heads.head_file import read_head
 from target.model import load_config, load_tokenizer, target_dir, weights_hash
 from target.reaper import leash
 
@@ -75,16 +75,6 @@ def check_destination(cfg, out_dir: Path, protected: dict[str, Path]) -> dict | 
             "export.replace_verified=true to replace it anyway)",
         )
     return previous
-
-
-def cache_dir(record: HeadRecord, run_dir: Path) -> Path:
-    """The cache the head was trained on (its held-out split gives the verification prompts)."""
-    return Path(record.cache.get("path") or run_dir / "cache").resolve()
-
-
-def verification_prompts(cfg, tokenizer, record: HeadRecord, run_dir: Path) -> list[list[int]]:
-    """The first user turns of the cache's held-out conversations, chat-templated for the target."""
-    return held_out_prompts(cache_dir(record, run_dir), tokenizer, cfg.export.verify_num_prompts)
 
 
 @holds_run_dir("export")

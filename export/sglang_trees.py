@@ -24,6 +24,7 @@ from tqdm import tqdm
 from artifacts import atomic
 from artifacts.config import check_config, register_configs
 from artifacts.prompts import stop_token_ids
+from export.verify import verification_prompts
 from heads.acceptance import AcceptanceCounts
 from heads.head_file import read_record
 from heads.reference_decoder import inference_device, load_head
@@ -137,7 +138,6 @@ def run_trees(cfg: DictConfig, head_dir: Path, out_path: Path, tokenizer, prompt
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     check_config(cfg)
-    from export.main import verification_prompts  # the stage imports this module: not at the top
 
     run_dir = Path(cfg.run_dir)
     head_dir = Path(cfg.export.head_dir or run_dir / "draft_head")

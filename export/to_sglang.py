@@ -10,7 +10,7 @@ Read in SGLang's own code (installed by `make setup` into .venv/sglang; paths be
     (model_executor/model_runner_components/spec_aux_hidden_state.py:185-196; without it SGLang captures its
     default layers), in SGLang's convention, the layers' outputs (`target.model.layer_output_ids`: vLLM's id
     minus one); vLLM reads the top-level ids first.
-- Not served by SGLang, refused by name when the config is composed (artifacts/config.py
+- Not served by SGLang, refused by name when the config is composed (artifacts/config/combinations.py
   `sglang_refusal`) and by `export_head`: P-EAGLE (no parallel
   drafting), `head.norm_before_residual=true` (SGLang reads no such flag: its residual is always the fc
   output before `hidden_norm`, llama_eagle3.py:97-102), aux ids 0 or L (SGLang captures layer outputs 0..L-2

@@ -20,17 +20,28 @@ compared against exactly the values vLLM loads. Use `verify_export(...)`; export
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from pathlib import Path
 
 import torch
 
+from artifacts.prompts import held_out_prompts
 from heads.acceptance import AcceptanceCounts
+from heads.head_file import HeadRecord
 from heads.reference_decoder import reference_acceptance
 
 log = logging.getLogger("export")
+
+
+def cache_dir(record: HeadRecord, run_dir: Path) -> Path:
+    """The cache the head was trained on (its held-out split gives the verification prompts)."""
+    return Path(record.cache.get("path") or run_dir / "cache").resolve()
+
+
+def verification_prompts(cfg, tokenizer, record: HeadRecord, run_dir: Path) -> list[list[int]]:
+    """The first user turns of the cache's held-out conversations, chat-templated for the target."""
+    return held_out_prompts(cache_dir(record, run_dir), tokenizer, cfg.export.verify_num_prompts)
 
 
 class VerificationError(RuntimeError):
@@ -56,38 +67,34 @@ def vllm_acceptance(
     import vllm
 
     from export.to_vllm import speculative_config as make_speculative_config
-    from target.vllm import EngineSettings, start_llm
+    from target.vllm import EngineSettings, running_llm
 
     speculative_config = make_speculative_config(kind, str(export_dir), num_draft_tokens)
     # log_stats (the default): the acceptance counters, which vLLM's offline engine turns off unless told.
     settings = EngineSettings(
         str(target_dir), speculative_config, dict(vllm_kwargs or {}), "export.vllm_kwargs", dtype=dtype
     )
-    try:
-        llm = start_llm(settings)
-    except Exception as error:
-        raise VerificationError(
+
+    def refused(error: Exception) -> VerificationError:
+        return VerificationError(
             f"vLLM {vllm.__version__} refused the export {export_dir} (speculative_config="
             f"{speculative_config}): {type(error).__name__}: {error}. vLLM's own log has the cause."
-        ) from error
-    try:
+        )
+
+    with running_llm(settings, start_error=refused) as llm:
         params = vllm.SamplingParams(
             temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, stop_token_ids=stop_ids
         )
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         outputs = [list(r.outputs[0].token_ids) for r in results]
         counts = AcceptanceCounts.from_vllm_metrics(llm.get_metrics())
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
     return outputs, counts
 
 
 def export_differences(export_dir: Path, head_dir: Path, export_dtype: str) -> list[str]:
     """Where the export, read as vLLM reads it, differs from the trained head (empty when it does not);
     its draft vocabulary map too, `t2d` included (speculators reads it, vLLM does not)."""
-    from export.to_vllm import read_export_config, read_export_weights
+    from export.read_vllm import read_export_config, read_export_weights
     from heads.head_file import read_head
     from target.model import DTYPES
 

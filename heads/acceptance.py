@@ -93,7 +93,7 @@ class AcceptanceCounts:
     def mean_acceptance_bounds(self, z: float, dispersion: float = 1.0) -> tuple[float, float]:
         """(low, high): the mean acceptance length +- z standard errors over these drafts (nan without any),
         the drafts independent (`dispersion` 1) or alike within a request: their variance `dispersion`
-        times the independent drafts' (eval/dispersion.py). The variance is never narrower than the drafts'
+        times the independent drafts' (watch/dispersion.py). The variance is never narrower than the drafts'
         number supports: each position's rate taken as (accepted + 1/2) / (drafts + 1), so that drafts all
         accepted (or all rejected), as a small measurement gives, still leave a band."""
         if not self.num_drafts:

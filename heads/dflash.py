@@ -17,8 +17,9 @@ vocabulary, the slot at position a + k predicting the token at a + k. Served wit
     out_BMJH = draft(block_ids_BMJ, starts_BM, context_BTH)      # M blocks, block m at starts[m]..
     logits_BMJVd = draft.logits(out_BMJH)
 
-Training (`train/losses.py` `block_loss`) calls `forward` once with every block of a batch (random anchors);
-the reference decoder calls it once per round with a `heads.attention.KVCache` holding the context's keys.
+Training (`train/losses/block.py` `block_loss`) calls `forward` once with every block of a batch (random
+anchors); the reference decoder calls it once per round with a `heads.attention.KVCache` holding the
+context's keys.
 
 Shape legend: B batch, T / S context positions, M blocks, J tokens per block, Q = M*J, A aux layers,
 H hidden, N query heads, G key/value heads, D head dim, Vd draft vocab.

@@ -14,7 +14,7 @@ concatenation, later ones are plain H-wide Llama layers, as in vLLM's `llama_eag
 
 `forward` is one drafting step over T positions: a plain causal pass (what vLLM runs on a prefill), or,
 with a `heads.attention.KVCache`, a step of the reference decoder's chain or of training-time test
-(`train/losses.py` calls it once per TTT step and once per parallel depth). Use:
+(`train/losses/chain.py` calls it once per TTT step, `train/losses/parallel.py` once per parallel depth). Use:
 
     config = Eagle3Config.from_target_config(AutoConfig.from_pretrained(target), [2, 15, 27], 32000)
     draft = Eagle3Draft(config)

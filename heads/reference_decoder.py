@@ -240,7 +240,7 @@ def reference_acceptance(
     weight_dtype: str = "float32",
 ) -> tuple[list[list[int]], AcceptanceCounts]:
     """Outputs and summed counts of the reference decoder (the HF target plus our head) on `prompts`: what
-    export verification holds vLLM to, and what the recipe grid (train/grid.py) ranks heads by."""
+    export verification holds vLLM to, and what the recipe grid (bench/grid.py) ranks heads by."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 

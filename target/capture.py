@@ -26,12 +26,12 @@ import argparse
 import logging
 import os
 import shutil
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from target.launch import engine_devices
 from target.vllm import EngineSettings, target_dtype_extra
 
 log = logging.getLogger(__name__)
@@ -213,9 +213,10 @@ class CaptureEngine:
         self.transfer_name, self.transfer_overrides = transfer, transfer_overrides
         self.devices = devices  # (local rank, devices per engine): target/launch.engine_devices; None: CPU
         self.llm = None
+        self.engine = ExitStack()  # the running engine (target/vllm.py running_llm), closed on exit
 
     def __enter__(self) -> CaptureEngine:
-        from target.vllm import start_llm
+        from target.vllm import running_llm
 
         shutil.rmtree(self.storage_dir, ignore_errors=True)
         self.storage_dir.mkdir(parents=True)
@@ -223,18 +224,15 @@ class CaptureEngine:
         self.reader = transfer_backend(self.transfer_name).from_train_args(args, str(self.storage_dir))
         try:
             self.reader.setup()
-            rank, count = self.devices or (None, 1)
-            with engine_devices(rank, count):
-                self.llm = start_llm(self.settings)
+            self.llm = self.engine.enter_context(running_llm(self.settings, self.devices or (None, 1)))
         except BaseException:  # a failed start (no memory, a bad argument, Ctrl-C) leaves no scratch files
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
+        self.engine.close()
+        self.llm = None
         shutil.rmtree(self.storage_dir, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], params, with_output_tokens: bool = False, progress=False):

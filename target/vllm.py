@@ -7,7 +7,8 @@ served engines cannot drift apart.
 
     settings = EngineSettings(str(target_dir), speculative_config, dict(cfg.export.vllm_kwargs),
                               "export.vllm_kwargs", dtype="float32")
-    llm = start_llm(settings)                                  # offline: vllm.LLM(**llm_kwargs(settings))
+    with running_llm(settings) as llm:                         # offline: vllm.LLM(**llm_kwargs(settings)),
+        llm.generate(...)                                      #   shut down when the block leaves
     served = served_settings(str(target_dir), speculative_config, cfg.eval.server_args)
     subprocess.Popen(serve_argv(served, port=8000))            # served (eval/server.py)
     printable_serve_command(served)                            # for users (export/card.py)
@@ -26,8 +27,8 @@ process by swapping the logger's handlers, the engine processes through the vari
 error the log's path is printed and the root cause found in it (`root_cause`: vLLM's own error says only
 "See root cause above") is added to the error's message.
 
-    with vllm_log_file(run_dir / "logs" / "export_verify.log"):
-        llm = start_llm(settings)
+    with vllm_log_file(run_dir / "logs" / "export_verify.log"), running_llm(settings) as llm:
+        ...
 """
 
 from __future__ import annotations
@@ -213,6 +214,31 @@ def start_llm(settings: EngineSettings):
             llm.llm_engine.engine_core.shutdown()
         raise
     return llm
+
+
+@contextmanager
+def running_llm(settings: EngineSettings, devices: tuple[int | None, int] = (None, 1), start_error=None):
+    """The offline engine (`start_llm`) for the block, shut down when it leaves however it leaves: the one
+    place an engine is stopped. `devices`: (local rank, devices per engine) whose GPUs its processes see
+    (target/launch.py `engine_devices`; None: as they are). `start_error(error)`: the exception to raise
+    instead of an error during the start (export's own VerificationError), chained to it."""
+    import gc
+
+    from target.launch import engine_devices
+
+    try:
+        with engine_devices(*devices):
+            llm = start_llm(settings)
+    except Exception as error:
+        if start_error is None:
+            raise
+        raise start_error(error) from error
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
 
 
 def flag(name: str, value: Any) -> list[str]:

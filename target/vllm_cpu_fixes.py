@@ -10,7 +10,7 @@ vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`, passes the C++ op an int64
 output and never copies it back, so the temperatures the target's logits are divided by before
 verification are uninitialised memory. The target then verifies drafts (and samples the token after a
 rejected one) from a garbage distribution: the served text is not the target's distribution, and
-acceptance collapses. Measured before this repair (eval/sampling_check.py, docs/design.md#objectives):
+acceptance collapses. Measured before this repair (bench/sampling_check.py, docs/design.md#objectives):
 the target copying a paragraph at T=1 with ngram drafts, position 1 accepted 9% and position 2 never
 (T=0: 100% and 87%).
 A batch of greedy requests only never reaches that code (`all_greedy` returns first), so export

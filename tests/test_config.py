@@ -85,7 +85,8 @@ def installed_env(subprocess_env) -> dict:
 
 # export and eval run from the package the same way (slow, ~9 s each: the default suite's budget)
 @pytest.mark.parametrize(
-    "stage", ["data_prep", "train", *(pytest.param(s, marks=pytest.mark.slow) for s in ("export", "eval"))]
+    "stage",
+    ["data_prep", "train", *(pytest.param(s, marks=pytest.mark.slow) for s in ("export", "eval", "watch"))],
 )
 def test_entry_script_runs_from_the_installed_package(stage, tmp_path, subprocess_env):
     # From another directory, no PYTHONPATH: every import of the stage resolves through `pip install -e .`

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -86,7 +87,7 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
         ]
         return answered, {"finish_stop": len(conversations)}
 
-    monkeypatch.setattr(regenerate, "start_engine", lambda *args: object())
+    monkeypatch.setattr(regenerate, "start_engine", lambda *args: nullcontext(object()))
     monkeypatch.setattr(regenerate, "regenerate_conversations", fake_regenerate)
     accelerator = one_process()
     conversations = [
@@ -123,7 +124,7 @@ def test_another_batch_size_regenerates_chunks_it_changes_and_removes_stale_file
                     for c in conversations]  # fmt: skip
         return answered, {"finish_stop": len(conversations)}
 
-    monkeypatch.setattr(regenerate, "start_engine", lambda *args: object())
+    monkeypatch.setattr(regenerate, "start_engine", lambda *args: nullcontext(object()))
     monkeypatch.setattr(regenerate, "regenerate_conversations", fake_regenerate)
     conversations = [
         Conversation(f"c{i}", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])

@@ -279,7 +279,7 @@ def test_dflash_export_has_exactly_what_vllm_reads(dflash_run, fmt):
 
 @pytest.mark.parametrize("fmt", ["plain", "speculators"])
 def test_dflash_export_reads_back_as_the_trained_head(dflash_run, fmt):
-    from export.to_vllm import read_export
+    from export.read_vllm import read_export
     from export.verify import export_differences
     from heads.reference_decoder import load_head
 

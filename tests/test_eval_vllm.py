@@ -396,10 +396,10 @@ def test_watch_holds_a_real_server_serving_the_head_against_evals_record(eval_ru
     the server's k and concurrency, and judges its windows against the results eval wrote for the same
     head - which measured it slower than no speculation on the tiny smoke target."""
     from artifacts.prompts import read_conversations
+    from bench.traffic import Traffic
     from eval.grid import server_configs
-    from eval.traffic import Traffic
-    from eval.watch import watch
     from target.model import load_config, load_tokenizer, target_dir
+    from watch.main import watch
 
     chat = "eval.workloads=[{name:chat,source:chat,num_prompts:6,max_tokens:32}]"
     results = eval_run / "eval" / "results.json"

@@ -13,10 +13,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from artifacts.atomic import MARKER
 from artifacts.prompts import stop_token_ids
 from export.main import run as export
-from export.main import verification_prompts
+from export.read_vllm import read_export
 from export.record import RECORD
-from export.to_vllm import export_head, read_export
-from export.verify import VerificationError, verify_export
+from export.to_vllm import export_head
+from export.verify import VerificationError, verification_prompts, verify_export
 from heads.head_file import read_record
 from heads.reference_decoder import load_head
 from target.model import load_tokenizer
@@ -403,7 +403,8 @@ def test_vllms_own_config_reader_sees_every_norm_flag(recipe_run, kind, fmt):
     """The flags as vLLM 0.32's readers see them: the speculators `peagle` reader copies only two of the four
     from the top level, so the others must sit in transformer_layer_config; `served_norm_flags` (what the
     identity check reads) emulates the readers, and is checked against the real one here."""
-    from export.to_vllm import eagle3_plain_config, eagle3_speculators_config, served_norm_flags
+    from export.read_vllm import served_norm_flags
+    from export.to_vllm import eagle3_plain_config, eagle3_speculators_config
 
     head = json.loads((recipe_run / "draft_head" / "draft_config.json").read_text())["config"]
     head = {**head, "mask_token_id": 5 if kind == "peagle" else None}

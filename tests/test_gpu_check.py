@@ -1,4 +1,4 @@
-"""The GPU check (tests/gpu_check.py) kept runnable on the machine it is for: its imports with only that
+"""The GPU check (bench/gpu_check.py) kept runnable on the machine it is for: its imports with only that
 machine's distributions visible (the image's, tests/gpu_image_packages.txt, and the wheels carried to it,
 tests/gpu_wheels.txt), so that a new module-level import of a package that machine lacks fails here, not in
 the first minutes of a lent GPU; its CPU mode end to end (slow); its bookkeeping (a JSON after every step,
@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
-
-CHECK = REPO / "tests" / "gpu_check.py"
 
 
 def distribution_names(path: Path) -> set[str]:
@@ -62,7 +60,7 @@ def test_the_gpu_checks_imports_need_only_what_the_gpu_machine_has(tmp_path):
     assert {"torch", "transformers", "hydra-core", "datasets", "deepspeed", "speculators"} <= linked
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
     done = subprocess.run(
-        [sys.executable, "-S", str(CHECK), "--cpu", "--sections", "imports", "--out", str(tmp_path / "out")],
+        [sys.executable, "-S", "-m", "bench.gpu_check", "--cpu", "--sections", "imports", "--out", str(tmp_path / "out")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
@@ -84,7 +82,7 @@ def test_a_module_the_gpu_machine_lacks_fails_the_imports_step_naming_it(tmp_pat
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-S", str(CHECK), "--cpu", "--sections", "imports", "zero2", "--out", str(out)],
+        [sys.executable, "-S", "-m", "bench.gpu_check", "--cpu", "--sections", "imports", "zero2", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 1
@@ -102,7 +100,7 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     reports each head kind's step time, tokens/s and peak memory beside the model's prediction, and ours
     beside speculators' trainer at K=3 and K=7."""
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(CHECK), "--cpu", "--out", str(out)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--cpu", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     result = json.loads((out / "gpu_check.json").read_text())

@@ -40,6 +40,8 @@ def engines(monkeypatch) -> list[dict]:
     started = []
 
     class LLM:
+        llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
+
         def __init__(self, **kwargs):
             started.append(kwargs)
             if "speculative_config" in kwargs:
@@ -55,7 +57,8 @@ def test_regeneration_verification_and_serving_take_the_same_settings(engines, t
     target, export_dir = "/targets/smoke", "/runs/x/export"
     spec = speculative_config("peagle", export_dir, 3)
 
-    start_engine(target, SimpleNamespace(seed=7, vllm_kwargs=KWARGS))
+    with start_engine(target, SimpleNamespace(seed=7, vllm_kwargs=KWARGS)):
+        pass
     with pytest.raises(VerificationError, match="refused the export"):
         vllm_acceptance(Path(target), Path(export_dir), "peagle", [[1, 2]], 3, 8, [], "float32", KWARGS)
     regen, verify = engines

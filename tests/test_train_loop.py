@@ -458,7 +458,7 @@ def test_bf16_golden_losses_and_fp32_master_weights(train_run):
     assert out_dtypes == {torch.bfloat16}
     losses = step_losses(train_run)
     # bf16 autocast over fp32 master weights, one thread, seed 0, the teacher in the target lm_head's dtype
-    # (fp32 here: train/losses.py target_logits). Recorded on AVX512-BF16; rel=2e-3, not fp32's 1e-4: CPUs
+    # (fp32 here: train/losses/rows.py target_logits). Recorded on AVX512-BF16; rel=2e-3, not fp32's 1e-4: CPUs
     # with and without bf16 units (AVX2 only, AVX512-BF16, AMX) run other matmul kernels, whose fp32-level
     # differences flip the bf16 rounding of a few elements, and training amplifies that - ulp-sized (2^-22)
     # changes to the initial weights move these losses by up to 1.5e-4 (the fp32 run's by 1e-7).
@@ -699,7 +699,7 @@ def test_warm_start_refuses_other_norm_flags_and_names_them(train_run, tmp_path)
 @pytest.mark.slow  # ~35 s
 def test_grid_trains_each_variant_once_and_tabulates(smoke_run, tmp_path):
     from artifacts.config import compose
-    from train.grid import run as grid
+    from bench.grid import run as grid
 
     run_dir = tmp_path / "run"
     shutil.copytree(smoke_run, run_dir)

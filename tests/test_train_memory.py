@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train.benchmark_memory import build_head, predict, recipe_config
+from bench.memory import build_head, predict, recipe_config
 from train.memory import GB, check_step_fits, peak_bytes, step_memory
 
 H100 = 80e9
@@ -47,7 +47,7 @@ def test_train_refuses_a_micro_batch_that_cannot_fit_naming_the_settings(monkeyp
 def test_the_models_activations_follow_what_autograd_keeps(kind):
     """What autograd saves for backward in one loss forward (every saved storage counted once) against
     the model's activations and teacher, at a small shape of each kind with the recipe's own settings."""
-    from train.benchmark_memory import ANSWER_FRACTION, random_batch
+    from bench.memory import ANSWER_FRACTION, random_batch
     from train.model import DraftWithLoss
 
     cfg, target_config = recipe_config("llama31_8b", kind, True, ["cache.draft_vocab_size=2048"])

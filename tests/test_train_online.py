@@ -152,7 +152,7 @@ def test_the_wrong_mode_for_the_cache_is_refused_naming_the_option(online_run, s
 @pytest.mark.slow  # ~40 s
 def test_the_benchmark_reports_both_modes_and_the_trade_off(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "train/benchmark_online.py", "--steps", "3", "--warmup", "1",
+    cmd = [sys.executable, "-m", "bench.online", "--steps", "3", "--warmup", "1",
            "--work-dir", str(tmp_path / "work"), "--out", str(out), "--", "experiment=smoke"]  # fmt: skip
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""eval/watch.py against a stand-in vLLM server (an HTTP server answering /metrics and /v1/models as vLLM
+"""watch/main.py against a stand-in vLLM server (an HTTP server answering /metrics and /v1/models as vLLM
 0.32 does, its counters advancing at every scrape): verdicts, exit codes, the files it writes, and the errors
 for bad input. The real-server run is in tests/test_watch_vllm.py."""
 
@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from artifacts.config import compose
-from eval.watch import WatchError, watch
 from tests.test_watch_health import MEASURED, MODEL, Server, eval_counts
 from tests.test_watch_health import results as results  # noqa: F401 (fixture)
+from watch.main import WatchError, watch
 
 
 class LocalServer:
@@ -261,7 +261,7 @@ def test_exit_codes_never_read_as_a_verdict(tmp_path, head, results, subprocess_
     from tests.helpers import REPO
 
     def run(*overrides):
-        command = [sys.executable, str(REPO / "eval/watch.py"), "experiment=smoke", f"run_dir={head.parent}",
+        command = [sys.executable, str(REPO / "watch/main.py"), "experiment=smoke", f"run_dir={head.parent}",
                    f"watch.results={results}", "watch.eval_head=peagle", *overrides]  # fmt: skip
         return subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)  # fmt: skip
@@ -315,13 +315,13 @@ class CompletionsStub(LocalServer):
 
 
 def test_traffic_logs_each_served_answer_as_a_record_data_prep_reads(tmp_path):
-    """eval/traffic.py: the questions sent in order (starting over after the last), each answered one
+    """bench/traffic.py: the questions sent in order (starting over after the last), each answered one
     logged with its served answer; a failed request counted, not logged; the log is what the watch's retrain
     commands hand data_prep (data.format=openai), every record a usable conversation."""
     from artifacts.config import DataConfig
     from artifacts.smoke import build_tokenizer
+    from bench.traffic import Traffic
     from data_prep.sources import load_conversations
-    from eval.traffic import Traffic
 
     tokenizer = build_tokenizer()
     conversations = [

@@ -1,4 +1,4 @@
-"""The acceptance watch's verdicts (eval/health.py) on recorded metric sequences: `/metrics` texts in vLLM
+"""The acceptance watch's verdicts (watch/health.py) on recorded metric sequences: `/metrics` texts in vLLM
 0.32's exposition format (counters with _total and _created, engine and model_name labels, the per-position
 counter's position label, histogram buckets), from a server whose acceptance holds, drops, drifts,
 restarts or does not draft."""
@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from eval.expectation import NotMeasured, expected_from_results, expected_from_verification
-from eval.health import Histogram, Watcher, judge, read_snapshot, restart_reason, window
-from eval.watch import status_line
 from heads.acceptance import AcceptanceCounts
+from watch.expectation import NotMeasured, expected_from_results, expected_from_verification
+from watch.health import Histogram, Watcher, judge, read_snapshot, restart_reason, window
+from watch.main import status_line
 
 MODEL = "/models/SmolLM2-135M-Instruct"
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]

@@ -1,4 +1,4 @@
-"""The alert rules and the panel the watch writes (eval/alert_rules.py), from a window it judged on
+"""The alert rules and the panel the watch writes (watch/alert_rules.py), from a window it judged on
 simulated vLLM metrics: their thresholds are the watch's decision, per instance; Prometheus' own tool checks
 them and shows them firing for a collapsed replica beside a healthy one and not for the healthy one
 (`promtool test rules`, where Prometheus' tool is installed: `apt-get install prometheus`)."""
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eval.alert_rules import alert_rules, grafana_panel, thresholds
-from eval.expectation import expected_from_results
 from tests.test_watch_health import MEASURED, MODEL, Server, timeline
 from tests.test_watch_health import results as results  # noqa: F401 (fixture)
+from watch.alert_rules import alert_rules, grafana_panel, thresholds
+from watch.expectation import expected_from_results
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The acceptance watch over long synthetic runs (eval/health.py `Watcher`, fed scrapes as the watch takes
+"""The acceptance watch over long synthetic runs (watch/health.py `Watcher`, fed scrapes as the watch takes
 them): a head serving exactly as measured, requests of 50 to 2,000 verify rounds with log-normal lengths and
 a per-request acceptance as unlike as the real trial's, 1,000 judged windows per length - false alarms at
 most 1%; collapses at random times inside windows caught within 2 windows; a restart and a k change seen on
@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from eval.dispersion import MIN_BATCHES
-from eval.expectation import Expected, Measured, NotMeasured
-from eval.health import Histogram, Snapshot, Watcher
 from heads.acceptance import AcceptanceCounts
+from watch.dispersion import MIN_BATCHES
+from watch.expectation import Expected, Measured, NotMeasured
+from watch.health import Histogram, Snapshot, Watcher
 
 RATES = (0.36, 0.10)  # the head's conditional acceptance at positions 0 and 1 (k=2), as measured
 SPREAD = 0.32  # each request's first-position rate uniform within +-SPREAD (dispersion ~5-30 per window)

@@ -154,9 +154,10 @@ def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | N
 
 
 def draw_seeds(seed: int, epoch: int, ids: list[int]) -> list[int]:
-    """One seed per sample for the loss's random draws (anchors, block lengths: train/losses.py
-    `row_generators`), from the run's seed, the epoch and the sample's index: a sample draws the same in
-    any batch, process or micro-batch, so that one process and two train the same."""
+    """One seed per sample for the loss's random draws (anchors, block lengths:
+    train/losses/positions.py `row_generators`), from the run's seed, the epoch and the sample's index: a
+    sample draws the same in any batch, process or micro-batch, so that one process and two train the
+    same."""
     return [(((seed * 1_000_003) ^ (epoch * 7_919)) * 1_000_033 + i) % 2**62 for i in ids]
 
 

@@ -10,7 +10,7 @@ computed by the frozen target in each training step (train.features=online, for 
 cache.hidden_states=false); writes checkpoints to <run_dir>/ckpt, held-out metrics to
 <run_dir>/train_eval.jsonl and the final head to <run_dir>/draft_head (what export reads).
 This file sets a run up (`run`) and holds the loop (`fit`); the parts live beside it: the head and its
-loss in train/model.py (the losses in train/losses.py), batches in train/data.py, the optimizer and
+loss in train/model.py (the losses in train/losses/), batches in train/data.py, the optimizer and
 schedule in train/optim.py, metrics and held-out evaluation in train/metrics.py, checkpoints in
 train/checkpoint.py and resuming in train/resume.py.
 """

@@ -1,5 +1,5 @@
 """How much memory one training step takes per rank, before any step runs: the model train's pre-flight
-check uses and train/benchmark_memory.py checks against measured peaks (docs/gpu.md#memory).
+check uses and bench/memory.py checks against measured peaks (docs/gpu.md#memory).
 
     breakdown = step_memory(cfg, draft, target_config, batch_size=4, seq_len=2048, world=8, zero_stage=2)
     needed = peak_bytes(breakdown)   # what the rank's device must hold at the step's peak
@@ -7,9 +7,9 @@ check uses and train/benchmark_memory.py checks against measured peaks (docs/gpu
 The states are counted exactly from the head as built (its parameters, which of them train, the
 optimizer's two moments, what ZeRO shards); the activations are what autograd keeps for backward per
 query token of each decoder-layer call (TTT steps, P-EAGLE depths, DFlash blocks), per sequence position,
-and the bounded transients of the chunked attention and loss (heads/attention.py, train/losses.py). The
-per-token coefficients are counts of the tensors autograd saves (bf16 autocast over fp32 weights: fp32 norms
-and residuals, bf16 projections), checked by tests/test_train_memory.py and by the benchmark.
+and the bounded transients of the chunked attention and loss (heads/attention.py, train/losses/rows.py).
+The per-token coefficients are counts of the tensors autograd saves (bf16 autocast over fp32 weights: fp32
+norms and residuals, bf16 projections), checked by tests/test_train_memory.py and by the benchmark.
 
 Shape legend: B micro-batch, T tokens per sample, H hidden, I intermediate, A aux layers, V target vocab,
 Vd draft vocab.

@@ -58,8 +58,8 @@ def depth_means(sums_4K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def weighted_loss(sums_4K: torch.Tensor, weights: list[float]) -> float:
-    """The step's loss as the objective weighs it: the mean at depth k, weighted weights[k] (train/losses.py
-    `loss_weights`), summed."""
+    """The step's loss as the objective weighs it: the mean at depth k, weighted weights[k]
+    (train/losses/positions.py `loss_weights`), summed."""
     weights_K = torch.tensor(weights, device=sums_4K.device)
     return float((depth_means(sums_4K)[0] * weights_K).sum())
 
@@ -138,9 +138,10 @@ def record_eval(accelerator, run_dir: Path, step: int, measured: dict) -> dict:
     return result
 
 
-# The held-out acceptance estimates, per `Chains` prefix (train/losses.py): temperature 0 (the draft's argmax
-# right), and temperature 1 with drafts as vLLM makes them (its argmax, accepted with the target's p of it)
-# or sampled from the draft (accepted with sum min(p, q): vLLM's draft_sample_method=probabilistic).
+# The held-out acceptance estimates, per `Chains` prefix (train/losses/positions.py): temperature 0 (the
+# draft's argmax right), and temperature 1 with drafts as vLLM makes them (its argmax, accepted with the
+# target's p of it) or sampled from the draft (accepted with sum min(p, q): vLLM's
+# draft_sample_method=probabilistic).
 ESTIMATES = {"chain": "accept_len", "greedy_t1": "accept_len_t1", "sampled_t1": "accept_len_t1_sampled"}
 
 

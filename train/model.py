@@ -1,5 +1,5 @@
 """The model train fits: a draft head of `head.kind` (heads/), sized from the target and the cache and
-initialised as the recipe says, wrapped with its loss (train/losses.py) in one module so that DDP and
+initialised as the recipe says, wrapped with its loss (train/losses/) in one module so that DDP and
 DeepSpeed see a single forward.
 
     draft = build_draft(cfg, target_config, cache_manifest, vocab)
@@ -47,7 +47,7 @@ class DraftWithLoss(torch.nn.Module):
     predictions over the global batch first (`prediction_counts`): each depth's loss is their mean.
     `head.aux_noise` perturbs the aux states while training only.
     EAGLE-1: feature regression + soft CE, reported as one step (loss_0, acc_0) so the loop treats all
-    alike. The losses: train/losses.py.
+    alike. The losses: train/losses/.
     """
 
     def __init__(
@@ -177,7 +177,9 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
     torch.manual_seed(cfg.seed)
     head_kind(cfg.head.kind)  # an unknown kind is refused naming head.kind
     layer_ids = head_layer_ids(cfg, cache_manifest)
-    if cfg.head.kind == "eagle1":  # its settings are checked with the config (artifacts/config.py)
+    if (
+        cfg.head.kind == "eagle1"
+    ):  # its settings are checked with the config (artifacts/config/combinations.py)
         return Eagle1Draft(Eagle1Config.from_target_config(target_config))
     if cfg.head.kind == "dflash":
         config = DFlashConfig.from_target_config(

@@ -1,5 +1,5 @@
 """What each draft prediction is trained to minimise (`train.loss`) and how a block's positions are weighed
-(`head.position_weights`): pure functions on tensors, used by every loss in train/losses.py.
+(`head.position_weights`): pure functions on tensors, used by every loss in train/losses/.
 
 p is the target's distribution over the draft vocabulary (the teacher row), q = softmax(draft logits), and
 alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), the probability that a token sampled from q is accepted by
@@ -17,9 +17,9 @@ rejection sampling against p (docs/design.md#objectives). The divergences, per t
 
 D-PACE (arXiv 2605.18810, `dpace_weights`) replaces a draft chain's fixed position weights (a DFlash
 block's exp(-(k-1)/decay), gamma^k over TTT steps and P-EAGLE depths) by weights that follow the draft's
-own chance to get there (train/losses.py `chain_weights` lays every chain out per anchor): c_j = exp(-CE_j)
-the draft's probability of the target's argmax at slot j (no gradient), c~_j = (1 - a) c_j + a,
-P_j = prod_{i<=j} c~_i, w_j = sum_{m>=j} P_m.
+own chance to get there (train/losses/positions.py `chain_weights` lays every chain out per anchor):
+c_j = exp(-CE_j) the draft's probability of the target's argmax at slot j (no gradient),
+c~_j = (1 - a) c_j + a, P_j = prod_{i<=j} c~_i, w_j = sum_{m>=j} P_m.
 
     objective = parse_objective("lk", eta=3.0)
     loss_C = token_losses(objective, p_CVd, log_probs(logits_CVd))     # [C]
@@ -48,7 +48,7 @@ KL = Objective((("kl", 1.0),))
 
 
 def parse_objective(spec: str, eta: float = 3.0) -> Objective:
-    """`spec` a divergence name ("kl") or a weighted sum ("0.1*kl+0.9*tv": artifacts/config.py loss_terms);
+    """`spec` a divergence name ("kl") or a weighted sum ("0.1*kl+0.9*tv": artifacts/config/checks.py loss_terms);
     ValueError naming what is wrong."""
     if not eta >= 0:
         raise ValueError(f"train.lk_eta={eta}: must be >= 0")

@@ -1,7 +1,7 @@
 """Benchmark online training (train.features=online) against training from the hidden-state cache.
 
-    python train/benchmark_online.py --out runs/bench/online_smoke.json -- experiment=smoke
-    python train/benchmark_online.py --steps 12 --out runs/bench/online_smollm2.json -- \
+    python -m bench.online --out runs/bench/online_smoke.json -- experiment=smoke
+    python -m bench.online --steps 12 --out runs/bench/online_smollm2.json -- \
         data.num_samples=200 regen.enabled=false render.max_length=1024          # SmolLM2 + ShareGPT
 
 Everything after `--` is a pipeline config override (no run_dir: `--work-dir` holds the two runs). For each

@@ -1,4 +1,4 @@
-"""What a served head was measured to do, as the acceptance watch judges against it (eval/health.py):
+"""What a served head was measured to do, as the acceptance watch judges against it (watch/health.py):
 eval's results.json (per k, temperature, workload and concurrency, with speedup and latency) or, without
 one, export verification's vLLM acceptance (offline, T=0, one k).
 

@@ -1,6 +1,6 @@
 """grid: train several recipes on one cache at the same budget and compare them side by side.
 
-    python train/grid.py experiment=smollm2_eagle3 run_dir=runs/smollm2 grid=recipe
+    python -m bench.grid experiment=smollm2_eagle3 run_dir=runs/smollm2 grid=recipe
 
 Every variant of `grid.variants` (a name and overrides of the train stage's config: head.*, optim.*,
 train.*) trains `grid.max_steps` optimizer steps on <run_dir>/cache (the same cache, the same data order,

@@ -1,7 +1,7 @@
 """Benchmark hidden-state caching against a plain forward of the same target on the same batches.
 
-    python data_prep/benchmark.py --out runs/bench/smoke.json -- experiment=smoke run_dir=runs/bench/smoke
-    python data_prep/benchmark.py --num-samples 256 -- run_dir=runs/bench/smollm2      # SmolLM2 + ShareGPT
+    python -m bench.capture --out runs/bench/smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+    python -m bench.capture --num-samples 256 -- run_dir=runs/bench/smollm2      # SmolLM2 + ShareGPT
 
 Everything after `--` is a data_prep config override. Both paths run on the batches caching forms
 (length-sorted, padded to `cache.max_tokens_per_batch`), interleaved and repeated, in one process:

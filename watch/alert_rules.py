@@ -1,5 +1,5 @@
-"""Prometheus alerting rules and a Grafana panel that make the watch's decision (eval/health.py `judge`)
-where operators already look, rewritten by the watch after every window it judges (eval/watch.py).
+"""Prometheus alerting rules and a Grafana panel that make the watch's decision (watch/health.py `judge`)
+where operators already look, rewritten by the watch after every window it judges (watch/main.py).
 
 The watch judges a window's upper confidence bound L + q sqrt(phi Var(A) / n) against the expected band and
 break-even. The rules compute the same bound in PromQL, per server (`by (instance)`: one bad replica is not
@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 
 from artifacts import atomic
-from eval.expectation import Expected
-from eval.health import MIN_DRAFTS, Verdict
+from watch.expectation import Expected
+from watch.health import MIN_DRAFTS, Verdict
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFTS = "vllm:spec_decode_num_drafts_total"

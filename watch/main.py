@@ -1,9 +1,9 @@
 """watch: a live vLLM server's acceptance held against what eval measured for its head, one verdict per
-window (eval/health.py), with what to do about it (docs/watch.md).
+window (watch/health.py), with what to do about it (docs/watch.md).
 
-    python eval/watch.py experiment=smollm2 run_dir=runs/smollm2 watch.url=http://localhost:8000
-    python eval/watch.py experiment=smollm2 run_dir=runs/smollm2 watch.url=http://localhost:8000 watch.once=true
-    python eval/watch.py run_dir=/runs/llama31 watch.url=http://gpu7:8000 watch.head=/heads/llama31 \
+    python watch/main.py experiment=smollm2 run_dir=runs/smollm2 watch.url=http://localhost:8000
+    python watch/main.py experiment=smollm2 run_dir=runs/smollm2 watch.url=http://localhost:8000 watch.once=true
+    python watch/main.py run_dir=/runs/llama31 watch.url=http://gpu7:8000 watch.head=/heads/llama31 \
         watch.results=/runs/llama31/eval/results.json watch.temperature=1 watch.traffic=/logs/requests.jsonl
 
 It scrapes the server's `/metrics` `watch.subwindows` times per `watch.interval_s` and judges a window per
@@ -13,8 +13,8 @@ interval, lengthened while it is too short for its requests (`insufficient`): `h
 model checked again, the expectation re-read for the new k), `down` (no answer: it waits, and starts again
 from the first answer), `unmeasured` (the record has nothing at the server's k). Each is a status line, a
 record in <out_dir>/timeline.jsonl and (watch.report_to=wandb) a W&B step; after every judged window it
-rewrites a Prometheus alerting rule file and a Grafana panel from that window (eval/alert_rules.py).
-`watch.once=true` judges one window and exits with its code (eval/health.py EXIT_CODES: 0 healthy, 1
+rewrites a Prometheus alerting rule file and a Grafana panel from that window (watch/alert_rules.py).
+`watch.once=true` judges one window and exits with its code (watch/health.py EXIT_CODES: 0 healthy, 1
 retrain, 2 turn it off, 3 could not judge); bad input exits 64, a crash 70, an interrupt 130.
 
 Before the first window it refuses, in one line naming what is wrong: a URL that does not answer or is not
@@ -39,17 +39,17 @@ from omegaconf import DictConfig
 
 from artifacts import atomic
 from artifacts.config import check_config, register_configs
-from eval.alert_rules import write_rules
-from eval.expectation import (
+from eval.server import http_get
+from export.read_vllm import read_export_config
+from export.record import read_record
+from watch.alert_rules import write_rules
+from watch.expectation import (
     Expected,
     expected_from_results,
     expected_from_verification,
     read_json,
 )
-from eval.health import BAD_INPUT, CRASHED, INTERRUPTED, Snapshot, Verdict, Watcher, read_snapshot
-from eval.server import http_get
-from export.record import read_record
-from export.to_vllm import read_export_config
+from watch.health import BAD_INPUT, CRASHED, INTERRUPTED, Snapshot, Verdict, Watcher, read_snapshot
 
 log = logging.getLogger("watch")
 

@@ -1,14 +1,14 @@
 """Our EAGLE-3 trainer beside speculators 0.9's (vLLM's own trainer) on one device, the same random data and
 the same head: step time by phase, tokens/s and peak memory of each, and the ratio.
 
-    python train/benchmark_speculators.py --out runs/bench/peer.json      # a GPU: K=3 and K=7, 4 x 2,048
-    python train/benchmark_speculators.py --tiny --steps 2 --warmup 1    # tiny shapes, any machine
+    python -m bench.peer --out runs/bench/peer.json      # a GPU: K=3 and K=7, 4 x 2,048
+    python -m bench.peer --tiny --steps 2 --warmup 1    # tiny shapes, any machine
 
 Each (trainer, K) runs in a fresh child process (this script with `--child ours|speculators`), in the order
 ours K=3, speculators K=3, ours K=7, speculators K=7 (K=3: speculators' default and published setting; K=7:
 our recipe's), so that a run cut short still holds a pair.
 
-- The data: train/benchmark_memory.py's random micro-batch, drawn on the device from one seed: the
+- The data: bench/memory.py's random micro-batch, drawn on the device from one seed: the
   llama31_8b recipe's 4 x 2,048 tokens (a quarter prompt), random aux and final states at Llama-3.1-8B's
   widths. Ours trains it as the padded batch train's `collate` gives; speculators gets the same four
   samples through its own collate (`CollateFn` with EAGLE-3's `shift_batch`: one packed row of 8,192 with
@@ -17,7 +17,7 @@ our recipe's), so that a run cut short still holds a pair.
   32,000, `norm_before_fc`, `norm_output`, `norm_before_residual` (the recipe's, and speculators' CLI
   defaults for EAGLE-3), the embedding and lm_head frozen; forward KL in both (speculators' default for
   EAGLE-3; the recipe trains LK, `--loss` changes ours).
-- Ours: the recipe's trainer step (train/benchmark_memory.py `train_step`: bf16 autocast, AdamW, clip 0.5)
+- Ours: the recipe's trainer step (bench/memory.py `train_step`: bf16 autocast, AdamW, clip 0.5)
   with its position weights and aux noise; the batch is moved to the device each step, as accelerate's
   loader does.
 - Speculators: its own `Trainer.train_epoch` over a DataLoader of the collated batch, with its CLI's
@@ -44,13 +44,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: the repository's packages
-    sys.path.insert(0, str(REPO))
-
-from target.model import default_aux_layer_ids  # noqa: E402
-from train.benchmark import peak_memory  # noqa: E402
-from train.benchmark_memory import (  # noqa: E402
+from bench.memory import (
     build_model,
     device_name,
     random_batch,
@@ -58,7 +52,11 @@ from train.benchmark_memory import (  # noqa: E402
     synchronize,
     train_step,
 )
-from train.memory import GB  # noqa: E402
+from bench.train import peak_memory
+from target.model import default_aux_layer_ids
+from train.memory import GB
+
+REPO = Path(__file__).resolve().parent.parent
 
 RECIPE = "llama31_8b"
 # The head both trainers build (speculators' CLI defaults for EAGLE-3 and the recipe's head settings agree).
@@ -303,7 +301,7 @@ def main() -> int:
     results, failed = [], []
     for k in args.ttt_steps:
         for trainer in args.trainers:
-            command = [sys.executable, __file__, "--child", trainer, "--ttt-steps", str(k), "--steps",
+            command = [sys.executable, "-m", "bench.peer", "--child", trainer, "--ttt-steps", str(k), "--steps",
                        str(args.steps), "--warmup", str(args.warmup), "--loss", args.loss,
                        "--speculators-optimizer", args.speculators_optimizer]  # fmt: skip
             command += ["--tiny"] * args.tiny

@@ -1,5 +1,5 @@
 """How much a window's mean acceptance length varies, from the window alone (the acceptance watch,
-eval/health.py): batch means over request-long stretches of the window, and the Student t quantile for the
+watch/health.py): batch means over request-long stretches of the window, and the Student t quantile for the
 degrees of freedom they leave.
 
 Drafts of one request are alike (they share its prompt and answer; a request of prose accepts less than one

@@ -1,9 +1,9 @@
 """One training step of each head kind at a GPU recipe's real shapes, with random weights (nothing
 downloaded): step time, tokens/s and peak memory, against the memory model of train/memory.py.
 
-    python train/benchmark_memory.py --recipe llama31_8b --batch-size 1 --seq-len 512   # this CPU
-    python train/benchmark_memory.py --recipe llama31_8b --steps 3 --online              # a GPU (recipe batch)
-    python train/benchmark_memory.py --tiny                                             # seconds; tests
+    python -m bench.memory --recipe llama31_8b --batch-size 1 --seq-len 512   # this CPU
+    python -m bench.memory --recipe llama31_8b --steps 3 --online              # a GPU (recipe batch)
+    python -m bench.memory --tiny                                             # seconds; tests
 
 Each head kind runs in a fresh child process (this script with `--child KIND`): the recipe's composed
 config (conf/experiment/<recipe>.yaml) plus the kind's settings from docs/gpu.md (P-EAGLE: 4 layers, 4
@@ -34,15 +34,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: the repository's packages
-    sys.path.insert(0, str(REPO))
+from artifacts.config import compose
+from artifacts.vocab import VocabMap
+from bench.train import mark_memory, peak_memory
+from target.model import default_aux_layer_ids
+from train.memory import GB, IN_SETUP, describe, peak_bytes, step_memory
 
-from artifacts.config import compose  # noqa: E402
-from artifacts.vocab import VocabMap  # noqa: E402
-from target.model import default_aux_layer_ids  # noqa: E402
-from train.benchmark import mark_memory, peak_memory  # noqa: E402
-from train.memory import GB, IN_SETUP, describe, peak_bytes, step_memory  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 # The recipes' targets, from their hub config.json files (no download here).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -303,7 +301,7 @@ def main() -> None:
         return
     results = []
     for kind in args.kinds:
-        command = [sys.executable, __file__, "--child", kind, "--recipe", args.recipe, "--steps", str(args.steps),
+        command = [sys.executable, "-m", "bench.memory", "--child", kind, "--recipe", args.recipe, "--steps", str(args.steps),
                    "--override", *args.override]  # fmt: skip
         command += ["--online"] * args.online + ["--tiny"] * args.tiny
         command += ["--batch-size", str(args.batch_size)] if args.batch_size else []

@@ -4,8 +4,8 @@ project used before issue 33 (heads.attention.dense_attention over every query),
 checkpointed `attention` it uses now, and PyTorch's FlexAttention (compiled, a block mask over the
 sequence and the J diagonals, as speculators and SpecForge do it).
 
-    python train/benchmark_attention.py --seq-len 2048 --extra 6 --out runs/bench/attention.json
-    python train/benchmark_attention.py --seq-len 256 --repeats 1          # seconds
+    python -m bench.attention --seq-len 2048 --extra 6 --out runs/bench/attention.json
+    python -m bench.attention --seq-len 256 --repeats 1          # seconds
 
 Llama-3.1-8B's heads by default (32 query, 8 key/value heads of 128), batch 1, bf16. Reported per way:
 the best of `--repeats` forward+backward times after a warm-up (FlexAttention's compilation is timed
@@ -16,18 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from heads.attention import attention, dense_attention  # noqa: E402
-from train.benchmark import mark_memory, peak_memory  # noqa: E402
+from bench.train import mark_memory, peak_memory
+from heads.attention import attention, dense_attention
 
 
 def inputs(b, n, g, t, d, j, device, dtype):

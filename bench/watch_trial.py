@@ -1,10 +1,10 @@
 """The watch's trial on real vLLM servers (docs/watch.md#the-trial): a head watched while it serves, then
 after a base-model upgrade, then after the retrain the watch itself prescribed.
 
-    python eval/watch_trial.py                       # runs/smollm2's head; results in runs/watch_trial
-    python eval/watch_trial.py --windows 30 --interval-s 20 --k 2 --run-dir runs/smollm2 --out runs/watch_trial
-    python eval/watch_trial.py --max-tokens 512 --concurrency 4 --out runs/watch_trial_long   # long answers
-    python eval/watch_trial.py --experiment smoke_regen --run-dir runs/smoke_long --head-name head --k 3 \
+    python -m bench.watch_trial                       # runs/smollm2's head; results in runs/watch_trial
+    python -m bench.watch_trial --windows 30 --interval-s 20 --k 2 --run-dir runs/smollm2 --out runs/watch_trial
+    python -m bench.watch_trial --max-tokens 512 --concurrency 4 --out runs/watch_trial_long   # long answers
+    python -m bench.watch_trial --experiment smoke_regen --run-dir runs/smoke_long --head-name head --k 3 \
         --max-tokens 512 --phases before --traffic heldout --out runs/watch_smoke_long   # the smoke run
 
 1. before: the run's head served on its own target (compiled, as eval serves), eval's client sending
@@ -39,15 +39,15 @@ from pathlib import Path
 
 from artifacts.config import compose
 from artifacts.prompts import read_conversations
+from bench.traffic import Traffic
 from data_prep.main import build_embedded_target
 from data_prep.sources import load_conversations
-from eval.expectation import expected_from_results
 from eval.grid import server_configs
 from eval.server import VllmServer
-from eval.traffic import Traffic
-from eval.watch import watch
 from heads.acceptance import AcceptanceCounts
 from target.model import load_config, load_tokenizer, target_dir
+from watch.expectation import expected_from_results
+from watch.main import watch
 
 log = logging.getLogger("watch_trial")
 

@@ -1,7 +1,7 @@
 """Benchmark EAGLE-3 training steps: tokens/s and peak memory per TTT depth K, and the cost of K=7 over K=1.
 
-    python train/benchmark.py --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
-    python train/benchmark.py --num-batches 2 -- run_dir=runs/bench/smollm2 train.batch_size=2   # SmolLM2
+    python -m bench.train --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+    python -m bench.train --num-batches 2 -- run_dir=runs/bench/smollm2 train.batch_size=2   # SmolLM2
 
 Everything after `--` is a pipeline config override, as for train/main.py; the cache in <run_dir>/cache
 must exist (data_prep with the same overrides makes it). The head is built as train builds it

@@ -3,7 +3,7 @@ without drafts, with ngram drafts (k=3) and, given an export, with the head (k=2
 prompt the target answers by copying a paragraph and on five chat prompts; prints per configuration the
 per-position acceptance and the start of the first answer, one JSON line each.
 
-    python eval/sampling_check.py --target ~/.cache/eagle-pipeline/SmolLM2-135M-Instruct \
+    python -m bench.sampling_check --target ~/.cache/eagle-pipeline/SmolLM2-135M-Instruct \
         --head runs/smollm2/export --kind peagle
 
 With drafts the copied paragraph must still read as a copy at T=1 and its positions must accept at a rate
@@ -14,7 +14,6 @@ and ngram's position 1 accepted 9% (position 2 never); repaired, 67% and 49% (do
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def main() -> None:
 
     from export.to_vllm import speculative_config
     from heads.acceptance import AcceptanceCounts
-    from target.vllm import EngineSettings, llm_kwargs
+    from target.vllm import EngineSettings, running_llm
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = []
@@ -62,10 +61,8 @@ def main() -> None:
         configs["head k=2"] = speculative_config(args.kind, str(args.head), 2)
     engine_args = {"max_model_len": 2048, "gpu_memory_utilization": 0.2}
     for name, spec in configs.items():
-        llm = vllm.LLM(
-            **llm_kwargs(EngineSettings(args.target, spec, engine_args, "--target", dtype="bfloat16"))
-        )
-        try:
+        settings = EngineSettings(args.target, spec, engine_args, "--target", dtype="bfloat16")
+        with running_llm(settings) as llm:
             for temperature in (0.0, 1.0):
                 for which, batch in (("copy", prompts[:1] * 4), ("chat", prompts[1:] * 2)):
                     before = AcceptanceCounts.from_vllm_metrics(llm.get_metrics())
@@ -80,10 +77,6 @@ def main() -> None:
                            "drafts": counts.num_drafts, "accepted_per_position": rates,
                            "text": results[0].outputs[0].text[:160]}  # fmt: skip
                     print(json.dumps(row), flush=True)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
 
 
 if __name__ == "__main__":

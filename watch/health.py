@@ -1,14 +1,14 @@
-"""Is a served head still doing what it was measured to do? The acceptance watch's judgement (eval/watch.py
+"""Is a served head still doing what it was measured to do? The acceptance watch's judgement (watch/main.py
 polls; this module decides), pure functions over scrapes of a vLLM server's `/metrics`.
 
 A `Snapshot` holds one scrape's cumulative counters and the server process' identity; a `Window` what one
-server process did between two; `Expected` what eval measured for the head (eval/expectation.py); `judge`
+server process did between two; `Expected` what eval measured for the head (watch/expectation.py); `judge`
 gives each window a `Verdict`, with statistics rather than fixed thresholds:
 
 - the window's mean acceptance length L has a standard error from its own counts (a draft's accepted
   tokens are a prefix: `AcceptanceCounts.mean_acceptance_bounds`), so does eval's measurement of it; both
   widened by the window's dispersion (drafts of one request are alike), estimated from request-long
-  batches of the window, with the t quantile of their degrees of freedom (eval/dispersion.py);
+  batches of the window, with the t quantile of their degrees of freedom (watch/dispersion.py);
 - `insufficient` while the window holds fewer than MIN_BATCHES request-long batches or MIN_DRAFTS drafts:
   the watch lengthens the window until it does (a window shorter than its requests cannot say how much they
   differ, and judged anyway it raises false alarms);
@@ -33,10 +33,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from eval.dispersion import MIN_BATCHES, REQUESTS_PER_BATCH, batches, dispersion, t_quantile
-from eval.expectation import Expected
 from eval.prometheus import acceptance_counts, counter_total, parse_samples
 from heads.acceptance import VLLM_PREFIX, AcceptanceCounts
+from watch.dispersion import MIN_BATCHES, REQUESTS_PER_BATCH, batches, dispersion, t_quantile
+from watch.expectation import Expected
 
 ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"  # its sum over a window / the window's length = mean concurrency
@@ -199,7 +199,7 @@ class Window:
     itl: Histogram
     concurrency: float  # requests in flight on average (Little's law over the finished requests' latency)
     request_s: float = float("nan")  # the finished requests' mean latency (nan: none finished)
-    batches: int = 0  # request-long batches with drafts (eval/dispersion.py)
+    batches: int = 0  # request-long batches with drafts (watch/dispersion.py)
     dispersion: float = 1.0  # the acceptance's variance over the independent drafts'
 
     @property
@@ -341,7 +341,7 @@ def judge(
 
 
 class Watcher:
-    """The watch's judgement over a stream of scrapes (eval/watch.py feeds it; tests feed it synthetic
+    """The watch's judgement over a stream of scrapes (watch/main.py feeds it; tests feed it synthetic
     ones): a window every `subwindows` scrapes, lengthened while it is `insufficient` (its verdict then
     says `window_open`; after MAX_GROWTH intervals it is dropped), and a new baseline on the first scrape of
     another server process or k, whose expectation `expect(k)` gives (NotMeasured: `unmeasured`)."""
@@ -354,7 +354,7 @@ class Watcher:
         self.unmeasured = ""
 
     def baseline(self, snapshot: Snapshot) -> None:
-        from eval.expectation import NotMeasured
+        from watch.expectation import NotMeasured
 
         self.before, self.scrapes = snapshot, []
         try:

@@ -1,9 +1,9 @@
 """The GPU check: what this project can prove on a lent GPU in one call of under 9 minutes, run first whenever
 one is lent (docs/gpu.md#the-gpu-check records what it printed, with the GPU, the date and the command).
 
-    python3 tests/gpu_check.py --out $OUT            # the GPU machine (no make, no venv: its own python3)
-    python3 tests/gpu_check.py --cpu --out runs/gpu_check   # tiny shapes on a CPU (a slow test)
-    python3 tests/gpu_check.py --sections imports    # the first step alone (the restricted-import test)
+    python3 -m bench.gpu_check --out $OUT            # the GPU machine (no make, no venv: its own python3)
+    python3 -m bench.gpu_check --cpu --out runs/gpu_check   # tiny shapes on a CPU (a slow test)
+    python3 -m bench.gpu_check --sections imports    # the first step alone (the restricted-import test)
 
 It writes `<out>/gpu_check.json` after every step (a time-out or a crash keeps every number measured before
 it) and `<out>/gpu_check.log` (every step's whole output). Sections, in this order, each with its own time
@@ -12,14 +12,14 @@ skipped, and the output and the JSON say so:
 1. imports: every module a later section needs, imported in seconds, with the versions of the packages
    that matter; a module that fails names the missing package and skips the sections that need it;
 2. memory: one training step per head kind at the llama31_8b recipe's shapes with random weights - step
-   time, tokens/s, peak memory against the memory model (train/benchmark_memory.py); then EAGLE-3 online,
+   time, tokens/s, peak memory against the memory model (bench/memory.py); then EAGLE-3 online,
    beside a random bf16 8B-shaped target;
 3. pipeline: the smoke pipeline on the device - data_prep through transformers (no vLLM), each head kind
    trained in bf16, EAGLE-3 online, export of each without vLLM's verification;
 4. zero2: train under DeepSpeed ZeRO-2 on one rank (bf16);
 5. golden: the golden-loss tests (tests/test_train_loop.py -k golden) on the device;
 6. peer: our EAGLE-3 trainer beside speculators 0.9's at Llama-3.1-8B's shapes, K=3 and K=7, the same
-   random data (train/benchmark_speculators.py): step time, tokens/s, peak memory and the ratio; last,
+   random data (bench/peer.py): step time, tokens/s, peak memory and the ratio; last,
    with the time the others left (speculators compiles and autotunes for minutes).
 `--cpu`: the same at tiny shapes and a step or two, one export, without the golden tests (the suite runs
 them). Needs no network and no vLLM: the GPU machine has neither. Exit status: 0 when every step ran and
@@ -43,19 +43,17 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # the GPU machine has no install of this repository: its packages from here
-    sys.path.insert(0, str(REPO))
 
 # (budget in seconds on a GPU, on a CPU in --cpu mode; the modules the section's commands import).
 SECTIONS = {
     "imports": (60, 180, []),
-    "memory": (150, 240, ["train.benchmark_memory", "train.data"]),
+    "memory": (150, 240, ["bench.memory", "train.data"]),
     "pipeline": (240, 600, ["artifacts.smoke", "data_prep.main", "train.main", "export.main"]),
     "zero2": (60, 180, ["artifacts.smoke", "data_prep.main", "train.main", "deepspeed", "accelerate"]),
     "golden": (60, 0, ["pytest", "train.main"]),
     # Last: speculators' first compiled steps (its Triton autotuning) took over 150 s at K=3 on an H200
     # (2026-11-27), so it takes whatever the sections above left rather than crowding them out.
-    "peer": (300, 420, ["train.benchmark_speculators", "speculators.train.trainer", "speculators.train.cli"]),
+    "peer": (300, 420, ["bench.peer", "speculators.train.trainer", "speculators.train.cli"]),
 }
 BUDGET_S = {"gpu": 540, "cpu": 1800}  # the whole check: a 600-s call returns with time for its files
 MIN_STEP_S = 15  # no step starts with less left: a process start alone takes seconds
@@ -251,7 +249,7 @@ def check_imports(check: Check, sections: list[str]) -> dict[str, str]:
 
 def memory_section(check: Check, cpu: bool) -> None:
     """One step per head kind, each the benchmark's child mode (one process, its result as a JSON line)."""
-    bench = [sys.executable, str(REPO / "train" / "benchmark_memory.py"), "--recipe", "llama31_8b"]
+    bench = [sys.executable, "-m", "bench.memory", "--recipe", "llama31_8b"]
     bench += ["--tiny", "--steps", "1"] if cpu else ["--steps", "3"]
     for kind, extra in [("eagle3", []), ("peagle", []), ("dflash", []), ("eagle3-online", ["--online"])]:
         result = check.run_json(f"memory {kind}", [*bench, "--child", kind.split("-")[0], *extra])
@@ -262,12 +260,12 @@ def memory_section(check: Check, cpu: bool) -> None:
 
 def peer_section(check: Check, cpu: bool) -> None:
     """One step per trainer and K, so that each result is kept as soon as it is measured."""
-    from train.benchmark_speculators import ratios
+    from bench.peer import ratios
 
     peer = check.result["peer"]
     for k in (3, 7):
         for trainer in ("ours", "speculators"):
-            command = [sys.executable, str(REPO / "train" / "benchmark_speculators.py"), "--child", trainer,
+            command = [sys.executable, "-m", "bench.peer", "--child", trainer,
                        "--ttt-steps", str(k)]  # fmt: skip
             result = check.run_json(
                 f"peer {trainer} K={k}",
@@ -335,7 +333,7 @@ def zero2_section(check: Check, work: Path, cached: Path, cpu: bool) -> None:
 def report(check: Check) -> None:
     """The numbers at the end of the output (the part a machine that returns only the output's tail keeps)."""
     result = check.result
-    check.say("\nours beside speculators' trainer (train/benchmark_speculators.py):")
+    check.say("\nours beside speculators' trainer (bench/peer.py):")
     for r in result["peer"]["results"]:
         check.say(f"  {r['trainer']:11s} K={r['ttt_steps']} {r['tokens']} tokens: {r['step_s']:.3f} s/step "
                   f"(h2d {r['h2d_s']:.3f} fwd {r['fwd_s']:.3f} bwd {r['bwd_s']:.3f} opt {r['opt_s']:.3f}), "
@@ -343,7 +341,7 @@ def report(check: Check) -> None:
     for r in result["peer"]["ratios"]:
         check.say(f"  K={r['ttt_steps']}: ours / speculators tokens/s {r['tokens_per_s_ratio']:.2f}x, "
                   f"peak memory {r['peak_memory_ratio']:.2f}x")  # fmt: skip
-    check.say("per head kind, one training step (train/benchmark_memory.py):")
+    check.say("per head kind, one training step (bench/memory.py):")
     for m in result["memory"]:
         check.say(f"  {m['kind']:7s} {m['batch_size']} x {m['seq_len']}{' online' if m['online'] else '       '}: "
                   f"{m['step_s']:.3f} s/step, {m['tokens_per_s']:.0f} tokens/s, peak {m['peak_gb']:.2f} GB "

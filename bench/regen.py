@@ -1,6 +1,6 @@
 """Benchmark regeneration alone against regeneration that captures the hidden states in the same pass.
 
-    python data_prep/benchmark_regen.py --num-prompts 64 --max-tokens 64 -- experiment=smollm2 run_dir=runs/bench/regen
+    python -m bench.regen --num-prompts 64 --max-tokens 64 -- experiment=smollm2 run_dir=runs/bench/regen
 
 Everything after `--` is a data_prep config override. The first user turns of the data's first
 conversations (those shorter than the engine's `max_model_len` allows) go, as token ids, to two engines
@@ -63,14 +63,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="regen_bench_"))
     seconds, tokens = {}, {}
     with vllm_log_file(work / "vllm.log"), leash(work, "bench_regen", remove=[work / "states"]):
-        llm = start_engine(str(target_dir(cfg.target)), cfg.regen)
-        llm.generate(token_prompts(prompts[:4]), warm_up, use_tqdm=False)
-        start = time.perf_counter()
-        outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-        seconds["plain"] = time.perf_counter() - start
-        tokens["plain"] = sum(len(o.outputs[0].token_ids) for o in outputs)
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        with start_engine(str(target_dir(cfg.target)), cfg.regen) as llm:
+            llm.generate(token_prompts(prompts[:4]), warm_up, use_tqdm=False)
+            start = time.perf_counter()
+            outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+            seconds["plain"] = time.perf_counter() - start
+            tokens["plain"] = sum(len(o.outputs[0].token_ids) for o in outputs)
 
         layers = capture_layers(cfg, target_config, aux_ids)
         with capture_engine(cfg, str(target_dir(cfg.target)), layers, work / "states", None, True) as engine:

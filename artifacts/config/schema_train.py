@@ -1,0 +1,143 @@
+"""Config schemas of the training settings: `head` (the draft head's kind and recipe), `optim`, `train`,
+and `grid` (recipes trained side by side on one cache, conf/grid/).
+
+Each field's check is declared beside it (artifacts/config/checks.py); settings wrong together are refused
+by artifacts/config/combinations.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from artifacts.config.checks import (
+    DIVERGENCES,
+    HEAD_KINDS,
+    NON_NEGATIVE,
+    POSITIVE,
+    REPORT_TO,
+    RESUME,
+    WANDB_MODE,
+    Check,
+    _is_loss,
+    checked,
+    one_of,
+    optional,
+    within,
+)
+
+
+@dataclass
+class HeadConfig:
+    # eagle3 | peagle (EAGLE-3 with parallel drafting) | dflash (block drafting) | eagle1
+    kind: str = checked("eagle3", one_of(*HEAD_KINDS))
+    # EAGLE-3 / P-EAGLE normalisation flags (speculators' names and vLLM's meaning; false = original recipe):
+    norm_before_residual: bool = False  # the layer's residual is the normed hidden state, not the raw one
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc
+    fc_norm: bool = False  # one RMSNorm per aux state before fc
+    norm_output: bool = False  # a chain's next step reads the post-norm output (EAGLE-3 TTT; P-EAGLE: unused)
+    # random | target: lm_head = the target's rows of the draft vocab, norm its
+    lm_head_init: str = checked("random", one_of("random", "target"))
+    freeze_lm_head: bool = False  # keep lm_head fixed (with lm_head_init=target: the target's rows)
+    # training adds U(-aux_noise, aux_noise) to the aux states (speculators: 0.05)
+    aux_noise: float = checked(0.0, NON_NEGATIVE)
+    # EAGLE-3: training-time-test steps K of the rollout (draft positions trained)
+    num_ttt_steps: int = checked(7, POSITIVE)
+    # P-EAGLE: parallel depths trained (mask slots + 1); serve k <= this
+    num_depths: int = checked(3, POSITIVE)
+    # the loss of draft position k (TTT step or parallel depth) weighs gamma^k
+    gamma: float = checked(0.8, within(0, 1, low_closed=False))
+    num_layers: int = checked(1, POSITIVE)  # P-EAGLE / DFlash decoder layers (EAGLE-3's TTT drives one)
+    # the cache's aux layers this head reads (vLLM ids, a subset of cache.aux_layer_ids; None: all of them):
+    # one cache holding the union serves heads of several kinds (e.g. EAGLE-3's 3 layers and DFlash's 5)
+    aux_layer_ids: list[int] | None = None
+    # P-EAGLE / DFlash mask slots' token (None: the target's pad, else eos token)
+    mask_token_id: int | None = None
+    # P-EAGLE: depth d >= 1 trains on ~T*ratio^d anchors (COD); 1.0 keeps all
+    cod_ratio: float = checked(1.0, within(0, 1, low_closed=False))
+    # DFlash: tokens per block, the anchor and block_size - 1 mask slots (the longest block trained); by
+    # default the block served at export.num_speculative_tokens (docs/dflash.md#served-k: measured best)
+    block_size: int = checked(
+        "${plus_one:${export.num_speculative_tokens}}", Check(lambda v: v is not None and v >= 2, ">= 2")
+    )
+    # DFlash: each block trained is uniformly min_block_size..block_size long, so that a bidirectional head
+    # serves every k = length - 1 as trained (None: full blocks only, served at k = block_size - 1 alone)
+    min_block_size: int | None = checked(None, optional(Check(lambda v: v >= 2, ">= 2")))
+    num_anchors: int = checked(512, POSITIVE)  # DFlash: random anchors (blocks) per sequence and step
+    # DFlash: mask slot k's loss weighs exp(-(k-1)/loss_decay) (the paper: 7 for block 16, 4 for block 8)
+    loss_decay: float = checked(4.0, POSITIVE)
+    # decay (DFlash slot k weighs exp(-(k-1)/loss_decay), TTT step / P-EAGLE depth k gamma^k) | dpace (each
+    # prediction of a draft chain - block, TTT steps, depths - weighs the draft's chance to reach it and those
+    # after it: D-PACE, train/objectives.py dpace_weights)
+    position_weights: str = checked("decay", one_of("decay", "dpace"))
+    dpace_a: float = checked(0.5, within(0, 1))  # D-PACE's floor a in c~ = (1 - a) c + a
+    causal: bool = False  # DFlash: causal attention inside a block (default: bidirectional, as served)
+    eagle1_noise: float = checked(0.1, NON_NEGATIVE)  # EAGLE-1: input features get U(-noise, noise)
+    # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
+    eagle1_ce_weight: float = checked(0.1, NON_NEGATIVE)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = checked(1e-4, POSITIVE)  # peak learning rate (SpecForge's; the official recipe uses 5e-5)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    weight_decay: float = checked(0.0, NON_NEGATIVE)  # AdamW weight decay
+    # fraction of the optimizer steps spent warming up linearly
+    warmup_ratio: float = checked(0.015, within(0, 1, high_closed=False))
+    # cosine decays towards lr * min_lr_ratio (reached after the last step)
+    min_lr_ratio: float = checked(0.0, within(0, 1))
+    max_grad_norm: float = checked(0.5, POSITIVE)  # gradient-norm clip
+
+
+@dataclass
+class TrainConfig:
+    num_epochs: int = checked(1, POSITIVE)  # passes over the cache's train split
+    # stop after this many optimizer steps (the schedule is sized to it)
+    max_steps: int | None = checked(None, optional(POSITIVE))
+    # train on the cache's first N train samples only (data-scaling runs)
+    num_samples: int | None = checked(None, optional(POSITIVE))
+    batch_size: int = checked(4, POSITIVE)  # samples per micro-batch per process
+    gradient_accumulation_steps: int = checked(1, POSITIVE)  # micro-batches per optimizer step
+    # no | bf16 | fp16 (fp32 master weights either way); default bf16, or no on a CPU without bf16 arithmetic
+    mixed_precision: str = checked("${machine_precision:bf16}", one_of("no", "bf16", "fp16"))
+    # the target's hidden states: cache (read from data_prep's cache) | online (the frozen target runs on
+    # each micro-batch beside the head; the cache needs cache.hidden_states=false)
+    features: str = checked("cache", one_of("cache", "online"))
+    # what each prediction minimises (train/objectives.py): kl | rkl | tv | nla | lk, or a weighted sum such
+    # as "0.1*kl+0.9*tv"
+    loss: str = checked(
+        "kl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum (0.1*kl+0.9*tv)")
+    )
+    lk_eta: float = checked(3.0, NON_NEGATIVE)  # LK: lambda = exp(-lk_eta * alpha) per token
+    # tokens per full-vocab teacher logits chunk (memory bound)
+    teacher_chunk_size: int = checked(2048, POSITIVE)
+    log_every: int = checked(10, POSITIVE)  # status line (and W&B point) every N optimizer steps
+    eval_every: int = checked(100, NON_NEGATIVE)  # held-out eval every N optimizer steps (0: only at the end)
+    save_every: int = checked(200, NON_NEGATIVE)  # checkpoint every N optimizer steps (0: only at the end)
+    keep_last: int = checked(2, POSITIVE)  # checkpoints kept
+    # never | always (continue from the newest checkpoint; error without one) | auto
+    resume: str = checked("never", RESUME)
+    resume_changed: bool = False  # resume although trajectory settings differ from the checkpoint's (logged)
+    init_from: str | None = None  # warm start: a final head directory or a checkpoint directory
+    # none | wandb (W&B through accelerate; offline mode needs no account)
+    report_to: str = checked("none", REPORT_TO)
+    wandb_project: str = "eagle-heads"  # W&B project name
+    wandb_mode: str = checked("offline", WANDB_MODE)  # offline | online
+    # torch CPU threads per process (None: torch's default)
+    num_threads: int | None = checked(None, optional(POSITIVE))
+
+
+@dataclass
+class GridConfig:
+    """bench/grid.py: recipes trained side by side on one cache (conf/grid/*.yaml)."""
+
+    name: str = "grid"  # results go to <run_dir>/grid/<name>/
+    # optimizer steps of every variant (the learning-rate schedule is sized to it)
+    max_steps: int = checked(300, POSITIVE)
+    variants: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # variant name -> overrides of the train stage (head.*, optim.*, train.*); [] = the config as it is
+    # held-out prompts the reference decoder drafts per variant (0: skip)
+    acceptance_prompts: int = checked(16, NON_NEGATIVE)
+    acceptance_max_new_tokens: int = checked(96, POSITIVE)  # tokens generated per prompt
+    # k of the acceptance measured and of the estimate tabulated
+    num_speculative_tokens: int = checked(3, POSITIVE)

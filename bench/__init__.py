@@ -1,0 +1,16 @@
+"""The measurement tools: the scripts that produced the numbers in the README and docs/, kept apart from the
+code a user's run executes (the stages import nothing from here). Each runs from the repository root as a
+module, `python -m bench.<name> --help`; `make bench` runs the data_prep and train ones at small settings.
+
+    capture.py         data_prep: hidden-state caching (transformers, vLLM) against a plain forward
+    regen.py           data_prep: regeneration alone against regeneration that captures in the same pass
+    train.py           train: EAGLE-3 steps, tokens/s and peak memory per TTT depth K
+    attention.py       train: the training attention alone at a recipe's shapes
+    memory.py          train: one step per head kind at a GPU recipe's shapes beside the memory model
+    online.py          train: online training against training from the cache
+    peer.py            train: our EAGLE-3 trainer beside speculators' (vLLM's own trainer)
+    grid.py            train: several recipes on one cache at one budget, ranked by acceptance
+    sampling_check.py  serving: does speculative decoding at temperature > 0 keep the target's text
+    watch_trial.py     the watch: a head watched on real vLLM servers, then made to fail
+    gpu_check.py       what a lent GPU can prove in one call (docs/gpu.md#the-gpu-check)
+"""

@@ -1,0 +1,72 @@
+"""EAGLE-3's training-time test (TTT, `ttt_loss`): the head's chain of K drafting steps, rolled out
+teacher-forced, and its loss.
+
+Pure functions on tensors, tested on CPU. `ttt_rollout` drives the head through its own `forward`
+(heads/eagle3.py) once per drafting step, with a `heads.attention.KVCache` in steps mode that holds the keys
+of earlier steps (docs/design.md#training-time-test): step k at position t reads x_{t+1+k} beside
+`fc(aux_t)` (step 0) or its own output of step k-1 (`carry`, not detached), at RoPE position t + k, and
+predicts x_{t+2+k} against the target's draft-vocabulary distribution at t+1+k; it sees step 0's keys at
+<= t and steps 1..k's keys at t. Each step's loss and the total: positions.py `depth_losses`.
+
+    total, metrics = ttt_loss(draft, batch, 7, 0.8, target_lm_head_VH, vocab.draft_to_target, 1024)
+
+Shape legend: B batch, T positions, H hidden, A aux layers, K steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from heads.attention import KVCache
+from heads.eagle3 import Eagle3Draft
+from train.losses.positions import depth_losses, depth_weights
+from train.losses.rows import batch_teacher, shift_left
+from train.objectives import KL, Objective
+
+
+def ttt_rollout(model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, num_steps: int) -> list[Tensor]:
+    """Pre-norm outputs [B, T, H] of steps 0..K-1, teacher-forced (step k reads x_{t+1+k}): one call of the
+    head's forward per step, the cache holding the earlier steps' keys at each position."""
+    positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
+    cache = KVCache(len(model.layers), steps=True)
+    hidden_BTH = model.target_hidden(aux_BTAH)
+    outs = []
+    for step in range(num_steps):
+        # Token ids past the end are a placeholder (0): those positions are never valid for the loss.
+        # Step k's token sits k places after step 0's: RoPE position t + k, as when vLLM drafts a chain.
+        out_BTH = model(shift_left(input_ids_BT, 1 + step), hidden_BTH, positions_BT + step, cache)
+        outs.append(out_BTH)
+        # Fed back (post-norm with norm_output) without detaching: later steps' gradients reach earlier ones.
+        hidden_BTH = model.carry(out_BTH)
+    return outs
+
+
+def ttt_loss(
+    model: Eagle3Draft,
+    batch: dict[str, torch.Tensor],
+    num_steps: int,
+    gamma: float,
+    target_lm_head: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    chunk_size: int,
+    denominators: torch.Tensor | None = None,
+    objective: Objective = KL,
+    dpace: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: `position_loss`, its denominators);
+    with `dpace` = a, sum_k loss_k, each prediction weighed by D-PACE over its anchor's chain of steps.
+
+    batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
+    optional attention_mask [B, T] (1 = real token; without it every position is real).
+    Metrics (detached tensors), per step k: loss_k, loss_sum_k and num_pred_k (its mean's sum and count);
+    acc_k and num_valid_k over the positions with a loss; chain_hits_k / chain_total_k, counts for
+    `conditional_accuracies` where a target argmax outside the draft vocabulary counts as a miss (as in
+    vLLM), not as skipped; greedy_t1_* and sampled_t1_*, the same at temperature 1 (`Chains`).
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
+    weights = depth_weights(gamma, num_steps)
+    teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
+    outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
+    return depth_losses(model, objective, outs, batch, teacher, weights, denominators, dpace=dpace)
