@@ -6,24 +6,14 @@ one is lent (docs/gpu.md#the-gpu-check records what it printed, with the GPU, th
     python3 -m bench.gpu_check --sections imports    # the first step alone (the restricted-import test)
 
 It writes `<out>/gpu_check.json` after every step (a time-out or a crash keeps every number measured before
-it) and `<out>/gpu_check.log` (every step's whole output). Sections, in this order, each with its own time
-budget inside the whole (`--budget`); a step that would start with less than MIN_STEP_S of either left is
-skipped, and the output and the JSON say so:
-1. imports: every module a later section needs, imported in seconds, with the versions of the packages
-   that matter; a module that fails names the missing package and skips the sections that need it;
-2. memory: one training step per head kind at the llama31_8b recipe's shapes with random weights - step
-   time, tokens/s, peak memory against the memory model (bench/memory.py); then EAGLE-3 online,
-   beside a random bf16 8B-shaped target;
-3. pipeline: the smoke pipeline on the device - data_prep through transformers (no vLLM), each head kind
-   trained in bf16, EAGLE-3 online, export of each without vLLM's verification;
-4. zero2: train under DeepSpeed ZeRO-2 on one rank (bf16);
-5. golden: the golden-loss tests (tests/test_train_loop.py -k golden) on the device;
-6. peer: our EAGLE-3 trainer beside speculators 0.9's at Llama-3.1-8B's shapes, K=3 and K=7, the same
-   random data (bench/peer.py): step time, tokens/s, peak memory and the ratio; last,
-   with the time the others left (speculators compiles and autotunes for minutes).
-`--cpu`: the same at tiny shapes and a step or two, one export, without the golden tests (the suite runs
-them). Needs no network and no vLLM: the GPU machine has neither. Exit status: 0 when every step ran and
-passed, 1 when one failed, 3 when one was skipped for time.
+it) and `<out>/gpu_check.log` (every step's whole output). Its sections, each with its own time budget
+inside the whole (`--budget`; SECTIONS below, docs/gpu.md#the-gpu-check says what each measures): imports,
+memory (bench/memory.py), pipeline, zero2, golden, then peer (bench/peer.py) with the time the others left.
+A step that would start with less than MIN_STEP_S of either left is skipped, and the output and the JSON
+say so; a module that fails to import skips the sections that need it. `--cpu`: the same at tiny shapes and
+a step or two, one export, without the golden tests (the suite runs them). Needs no network and no vLLM:
+the GPU machine has neither. Exit status: 0 when every step ran and passed, 1 when one failed, 3 when one
+was skipped for time.
 """
 
 from __future__ import annotations
@@ -64,15 +54,10 @@ VERSIONS = ["torch", "transformers", "accelerate", "hydra-core", "omegaconf", "d
 KINDS = {  # tests/helpers.py's small settings for the smoke target
     "eagle3": [],
     "peagle": ["head.kind=peagle", "head.num_layers=2", "head.cod_ratio=0.5"],
-    "dflash": [
-        "head.kind=dflash",
-        "head.num_layers=2",
-        "head.block_size=5",
-        "head.mask_token_id=5",
-        "head.min_block_size=2",
-    ],
+    "dflash": ["head.kind=dflash", "head.num_layers=2", "head.block_size=5", "head.mask_token_id=5",
+               "head.min_block_size=2"],
     "eagle1": ["head.kind=eagle1"],
-}
+}  # fmt: skip
 
 
 class Check:
@@ -88,16 +73,9 @@ class Check:
         self.result = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "mode": mode,
-            "budget_s": budget_s,
-            "device": None,
-            "versions": {},
-            "sections": {},
-            "steps": [],
-            "memory": [],
-            "peer": {"results": [], "ratios": []},
-            "finished": False,
-        }
+            "mode": mode, "budget_s": budget_s, "device": None, "versions": {}, "sections": {}, "steps": [],
+            "memory": [], "peer": {"results": [], "ratios": []}, "finished": False,
+        }  # fmt: skip
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -333,20 +311,21 @@ def zero2_section(check: Check, work: Path, cached: Path, cpu: bool) -> None:
 def report(check: Check) -> None:
     """The numbers at the end of the output (the part a machine that returns only the output's tail keeps)."""
     result = check.result
-    check.say("\nours beside speculators' trainer (bench/peer.py):")
-    for r in result["peer"]["results"]:
-        check.say(f"  {r['trainer']:11s} K={r['ttt_steps']} {r['tokens']} tokens: {r['step_s']:.3f} s/step "
-                  f"(h2d {r['h2d_s']:.3f} fwd {r['fwd_s']:.3f} bwd {r['bwd_s']:.3f} opt {r['opt_s']:.3f}), "
-                  f"{r['tokens_per_s']:.0f} tokens/s, peak {r['peak_gb']:.2f} GB")  # fmt: skip
-    for r in result["peer"]["ratios"]:
-        check.say(f"  K={r['ttt_steps']}: ours / speculators tokens/s {r['tokens_per_s_ratio']:.2f}x, "
-                  f"peak memory {r['peak_memory_ratio']:.2f}x")  # fmt: skip
-    check.say("per head kind, one training step (bench/memory.py):")
-    for m in result["memory"]:
-        check.say(f"  {m['kind']:7s} {m['batch_size']} x {m['seq_len']}{' online' if m['online'] else '       '}: "
-                  f"{m['step_s']:.3f} s/step, {m['tokens_per_s']:.0f} tokens/s, peak {m['peak_gb']:.2f} GB "
-                  f"(model {m['predicted_gb']:.2f}), over setup {m['peak_over_setup_gb']:.2f} GB "
-                  f"(model {m['predicted_over_setup_gb']:.2f})")  # fmt: skip
+    if result["peer"]["results"]:  # bench.peer imported (its steps ran)
+        from bench.peer import ratio_line, result_line
+
+        check.say("\nours beside speculators' trainer (bench/peer.py):")
+        for line in [
+            *map(result_line, result["peer"]["results"]),
+            *map(ratio_line, result["peer"]["ratios"]),
+        ]:
+            check.say("  " + line)
+    if result["memory"]:
+        from bench.memory import result_line
+
+        check.say("per head kind, one training step (bench/memory.py):")
+        for m in result["memory"]:
+            check.say("  " + result_line(m))
     for name, entry in result["sections"].items():
         check.say(f"  {name:8s} {entry['status']} ({entry['seconds']:.0f} s of {entry['budget_s']})")
     steps = result["steps"]

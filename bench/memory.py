@@ -273,6 +273,14 @@ def device_name(device) -> str:
     return platform.processor() or "cpu"
 
 
+def result_line(m: dict) -> str:
+    """One head kind's step beside the model, as the benchmark and the GPU check print it."""
+    return (f"{m['kind']:7s} {m['batch_size']} x {m['seq_len']}{' online' if m['online'] else ''} on {m['device']}: "
+            f"{m['step_s']:.3f} s/step, {m['tokens_per_s']:.0f} tokens/s, peak {m['peak_gb']:.2f} GB "
+            f"(model {m['predicted_gb']:.2f}), over setup {m['peak_over_setup_gb']:.2f} GB "
+            f"(model {m['predicted_over_setup_gb']:.2f})")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -311,14 +319,8 @@ def main() -> None:
             raise RuntimeError(f"{kind}: the benchmark's child failed:\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
         results.append(result)
-        print(
-            f"{args.recipe} {kind:7s} {result['batch_size']} x {result['seq_len']}"
-            f"{' online' if args.online else ''} on {result['device']}: {result['step_s']:.2f} s/step, "
-            f"{result['tokens_per_s']:.0f} tokens/s, peak over setup {result['peak_over_setup_gb']:.2f} GB "
-            f"(model {result['predicted_over_setup_gb']:.2f}: {result['predicted_breakdown']}); recipe's {result['recipe_batch']} on 8 GPUs: "
-            f"{result['recipe_breakdown']}",
-            flush=True,
-        )
+        print(f"{args.recipe} {result_line(result)}: {result['predicted_breakdown']}; recipe's "
+              f"{result['recipe_batch']} on 8 GPUs: {result['recipe_breakdown']}", flush=True)  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

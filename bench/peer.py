@@ -269,6 +269,18 @@ def ratios(results: list[dict]) -> list[dict]:
     return out
 
 
+def result_line(r: dict) -> str:
+    """One trainer's result, as the benchmark and the GPU check print it."""
+    return (f"{r['trainer']:11s} K={r['ttt_steps']} {r['tokens']} tokens on {r['device']}: {r['step_s']:.3f} s/step "
+            f"(h2d {r['h2d_s']:.3f}, fwd {r['fwd_s']:.3f}, bwd {r['bwd_s']:.3f}, opt {r['opt_s']:.3f}), "
+            f"{r['tokens_per_s']:.0f} tokens/s, peak {r['peak_gb']:.2f} GB")  # fmt: skip
+
+
+def ratio_line(r: dict) -> str:
+    return (f"K={r['ttt_steps']}: ours / speculators tokens/s {r['tokens_per_s_ratio']:.2f}x, "
+            f"peak memory {r['peak_memory_ratio']:.2f}x")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -316,12 +328,9 @@ def main() -> int:
                 continue
             r = json.loads(done.stdout.strip().splitlines()[-1])
             results.append(r)
-            print(f"{trainer:11s} K={k} {r['tokens']} tokens on {r['device']}: {r['step_s']:.3f} s/step "
-                  f"(h2d {r['h2d_s']:.3f}, fwd {r['fwd_s']:.3f}, bwd {r['bwd_s']:.3f}, opt {r['opt_s']:.3f}), "
-                  f"{r['tokens_per_s']:.0f} tokens/s, peak {r['peak_gb']:.2f} GB", flush=True)  # fmt: skip
+            print(result_line(r), flush=True)
     for r in ratios(results):
-        print(f"K={r['ttt_steps']}: ours / speculators tokens/s {r['tokens_per_s_ratio']:.2f}x, "
-              f"peak memory {r['peak_memory_ratio']:.2f}x")  # fmt: skip
+        print(ratio_line(r))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
