@@ -99,9 +99,9 @@ bench: setup
 	$(PY) -m bench.capture --num-samples 8 --repeats 2 --out runs/bench/data_prep_smollm2.json -- experiment=smollm2 run_dir=runs/bench/smollm2
 	$(PY) -m bench.regen --num-prompts 64 --max-tokens 64 --out runs/bench/regen_smollm2.json -- experiment=smollm2 run_dir=runs/bench/regen
 	$(PY) data_prep/main.py experiment=smoke run_dir=runs/bench/smoke
-	$(PY) -m bench.train --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+	$(PY) -m bench.train_step --repeats 5 --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) data_prep/main.py run_dir=runs/bench/tb_smol data.num_samples=24 render.max_length=512
-	$(PY) -m bench.train --num-batches 4 --repeats 3 --out runs/bench/train_smollm2.json -- run_dir=runs/bench/tb_smol train.batch_size=2
+	$(PY) -m bench.train_step --num-batches 4 --repeats 3 --out runs/bench/train_smollm2.json -- run_dir=runs/bench/tb_smol train.batch_size=2
 	$(PY) -m bench.attention --seq-len 2048 --extra 6 --repeats 2 --out runs/bench/attention_llama31_8b.json
 	$(PY) -m bench.memory --recipe llama31_8b --kinds eagle3 --batch-size 1 --seq-len 2048 --out runs/bench/memory_llama31_8b_eagle3.json
 	$(PY) -m bench.online --steps 40 --warmup 5 --work-dir runs/bench/online_smoke --out runs/bench/online_smoke.json -- experiment=smoke

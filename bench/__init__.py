@@ -4,7 +4,7 @@ module, `python -m bench.<name> --help`; `make bench` runs the data_prep and tra
 
     capture.py         data_prep: hidden-state caching (transformers, vLLM) against a plain forward
     regen.py           data_prep: regeneration alone against regeneration that captures in the same pass
-    train.py           train: EAGLE-3 steps, tokens/s and peak memory per TTT depth K
+    train_step.py      train: EAGLE-3 steps, tokens/s and peak memory per TTT depth K
     attention.py       train: the training attention alone at a recipe's shapes
     memory.py          train: one step per head kind at a GPU recipe's shapes beside the memory model
     online.py          train: online training against training from the cache

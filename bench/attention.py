@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.train import mark_memory, peak_memory
+from bench.train_step import mark_memory, peak_memory
 from heads.attention import attention, dense_attention
 
 

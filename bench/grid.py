@@ -37,7 +37,7 @@ from heads.head_file import read_record
 from train.curves import plot, read_curve
 
 log = logging.getLogger("grid")
-TRAIN_SCRIPT = Path(__file__).resolve().parent / "main.py"
+TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "train" / "main.py"
 GRID_KEYS = ("run_dir", "grid")  # the grid's own overrides, not passed on to train
 
 

@@ -36,7 +36,7 @@ import torch
 
 from artifacts.config import compose
 from artifacts.vocab import VocabMap
-from bench.train import mark_memory, peak_memory
+from bench.train_step import mark_memory, peak_memory
 from target.model import default_aux_layer_ids
 from train.memory import GB, IN_SETUP, describe, peak_bytes, step_memory
 

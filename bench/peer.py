@@ -52,7 +52,7 @@ from bench.memory import (
     synchronize,
     train_step,
 )
-from bench.train import peak_memory
+from bench.train_step import peak_memory
 from target.model import default_aux_layer_ids
 from train.memory import GB
 

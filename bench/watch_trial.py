@@ -116,6 +116,9 @@ class Trial:
         """ShareGPT's conversations after the first `data.num_samples` the run trained and was evaluated
         on, as `{"id", "messages"}`."""
         data = cfg.data.copy()
+        if data.num_samples is None:  # the run trained on all of its data: nothing unseen is left
+            raise SystemExit(f"--traffic unseen: {self.args.experiment} sets no data.num_samples, so the run "
+                             "trained on all of its data; use --traffic heldout")  # fmt: skip
         skip = int(data.num_samples)
         data.num_samples = skip + self.args.num_questions
         loaded = load_conversations(data).conversations[skip:]

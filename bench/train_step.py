@@ -1,7 +1,7 @@
 """Benchmark EAGLE-3 training steps: tokens/s and peak memory per TTT depth K, and the cost of K=7 over K=1.
 
-    python -m bench.train --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
-    python -m bench.train --num-batches 2 -- run_dir=runs/bench/smollm2 train.batch_size=2   # SmolLM2
+    python -m bench.train_step --out runs/bench/train_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
+    python -m bench.train_step --num-batches 2 -- run_dir=runs/bench/smollm2 train.batch_size=2   # SmolLM2
 
 Everything after `--` is a pipeline config override, as for train/main.py; the cache in <run_dir>/cache
 must exist (data_prep with the same overrides makes it). The head is built as train builds it
@@ -181,7 +181,7 @@ def measure_memory(cfg, num_steps: int, num_batches: int) -> dict:
 
 
 def memory_in_child(num_steps: int, num_batches: int, overrides: list[str]) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", str(num_steps)]
+    command = [sys.executable, "-m", "bench.train_step", "--memory-child", str(num_steps)]
     command += ["--num-batches", str(num_batches), "--", *overrides]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
