@@ -213,7 +213,7 @@ class CaptureEngine:
         self.transfer_name, self.transfer_overrides = transfer, transfer_overrides
         self.devices = devices  # (local rank, devices per engine): target/launch.engine_devices; None: CPU
         self.llm = None
-        self.engine = ExitStack()  # the running engine (target/vllm.py running_llm), closed on exit
+        self.running = ExitStack()  # the engine's running_llm (target/vllm.py), closed on exit
 
     def __enter__(self) -> CaptureEngine:
         from target.vllm import running_llm
@@ -224,14 +224,14 @@ class CaptureEngine:
         self.reader = transfer_backend(self.transfer_name).from_train_args(args, str(self.storage_dir))
         try:
             self.reader.setup()
-            self.llm = self.engine.enter_context(running_llm(self.settings, self.devices or (None, 1)))
+            self.llm = self.running.enter_context(running_llm(self.settings, self.devices or (None, 1)))
         except BaseException:  # a failed start (no memory, a bad argument, Ctrl-C) leaves no scratch files
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine.close()
+        self.running.close()
         self.llm = None
         shutil.rmtree(self.storage_dir, ignore_errors=True)
 

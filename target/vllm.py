@@ -218,8 +218,8 @@ def start_llm(settings: EngineSettings):
 
 @contextmanager
 def running_llm(settings: EngineSettings, devices: tuple[int | None, int] = (None, 1), start_error=None):
-    """The offline engine (`start_llm`) for the block, shut down when it leaves however it leaves: the one
-    place an engine is stopped. `devices`: (local rank, devices per engine) whose GPUs its processes see
+    """The offline engine (`start_llm`) for the block, shut down when it leaves however it leaves: with
+    start_llm's own interrupt path, the only place an offline engine is stopped. `devices`: (local rank, devices per engine) whose GPUs its processes see
     (target/launch.py `engine_devices`; None: as they are). `start_error(error)`: the exception to raise
     instead of an error during the start (export's own VerificationError), chained to it."""
     import gc

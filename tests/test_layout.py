@@ -60,15 +60,13 @@ def find_cycles(edges: dict[str, set[str]]) -> list[str]:
     """Each import cycle found by a depth-first walk, as `a -> b -> a`."""
     cycles, state = [], {}
 
-    def visit(node: str, trail: list[str]) -> None:
-        state[node] = "open"
+    def visit(node: str, stack: list[str]) -> None:
+        state[node], stack = "open", [*stack, node]
         for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == "open":
-                cycles.append(
-                    " -> ".join([*trail[trail.index(nxt) :], node, nxt] if nxt in trail else [node, nxt])
-                )
+            if state.get(nxt) == "open":  # on the stack: the walk came back to it
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
             elif nxt not in state:
-                visit(nxt, [*trail, node])
+                visit(nxt, stack)
         state[node] = "done"
 
     for node in sorted(edges):
