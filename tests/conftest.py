@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, smoke_config
+from tests.helpers import QUALITY_THREADS, REPO, smoke_config
 
 
 @pytest.fixture(scope="session")
@@ -55,12 +55,12 @@ def regen_run(tmp_path_factory, smoke_target_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def regen_head(regen_run, tmp_path_factory) -> Path:
-    """regen_run plus a head trained on it (195 steps, ~1.5 min): vLLM mean acceptance length ~1.7."""
+    """regen_run plus a head trained on it (195 steps, ~1 min on two threads): vLLM mean acceptance length ~1.7."""
     from train.main import run
 
     run_dir = tmp_path_factory.mktemp("regen_head") / "run"
     shutil.copytree(regen_run, run_dir)
-    overrides = ["train.eval_every=0", "train.save_every=0", "train.num_threads=1"]
+    overrides = ["train.eval_every=0", "train.save_every=0", QUALITY_THREADS]
     run(smoke_config(run_dir, *overrides, experiment="smoke_regen"))
     return run_dir
 
@@ -73,7 +73,7 @@ def regen_peagle_head(regen_run, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("regen_peagle_head") / "run"
     shutil.copytree(regen_run, run_dir)
     # 5 epochs: vLLM mean acceptance 1.53 at k=3 in the speculators format (measured; 8 cost ~30 s more)
-    overrides = ["train.eval_every=0", "train.save_every=0", "train.num_threads=1", "train.num_epochs=5"]
+    overrides = ["train.eval_every=0", "train.save_every=0", QUALITY_THREADS, "train.num_epochs=5"]
     overrides += ["head.kind=peagle", "head.num_layers=2"]
     run(smoke_config(run_dir, *overrides, experiment="smoke_regen"))
     return run_dir

@@ -17,7 +17,7 @@ from heads.attention import block_attention
 from heads.dflash import DFlashConfig
 from heads.reference_decoder import BlockDraftState, DraftHead, DraftState, speculative_generate
 from target.model import default_aux_layer_ids
-from tests.helpers import DFLASH, random_draft, smoke_config, tiny_head_config
+from tests.helpers import DFLASH, QUALITY_THREADS, random_draft, smoke_config, tiny_head_config
 from train.losses import block_forward, block_loss, loss_weights, row_generators, sample_blocks
 
 
@@ -344,7 +344,7 @@ def test_eval_serves_a_dflash_head_at_the_k_it_drafts(dflash_run, tmp_path, aske
 VLLM_OVERRIDES = [
     "train.eval_every=0",
     "train.save_every=0",
-    "train.num_threads=1",
+    QUALITY_THREADS,
     "train.num_epochs=5",  # mean acceptance ~1.54 at k=4 (measured; 8 epochs cost ~60 s more)
     *DFLASH,
 ]

@@ -30,8 +30,8 @@ from target.vllm import (
 from tests.helpers import REPO
 
 # One set of user arguments, as the offline engines' configs spell them and as `eval.server_args` does.
-KWARGS = {"max_model_len": 512, "enforce_eager": True, "gpu_memory_utilization": 0.3}
-SERVER_ARGS = {"max-model-len": 512, "enforce-eager": True, "gpu-memory-utilization": 0.3}
+KWARGS = {"max_model_len": 512, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
+SERVER_ARGS = {"max-model-len": 512, "enforce-eager": True, "kv-cache-memory-bytes": 1 << 30}
 
 
 @pytest.fixture
