@@ -36,3 +36,13 @@ def check_identity(found: dict, expected: dict, where: Path, hint: str = "") -> 
             + "\n".join(lines)
             + (f"\n{hint}" if hint else "")
         )
+
+
+def answer_temperatures(regeneration: dict | None) -> list[float] | None:
+    """The temperatures a cache's answers were generated at, from its `regeneration` identity field: [0.0]
+    greedy, [T] sampled, [0.0, T] a greedy and sampled mix (`include_greedy`); None where the answers are
+    the dataset's own (not the target's: no temperature of its says what a head trained on them serves)."""
+    if not regeneration:
+        return None
+    temperature = float(regeneration["temperature"])
+    return [0.0, temperature] if regeneration.get("include_greedy") else [temperature]

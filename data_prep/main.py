@@ -42,7 +42,7 @@ from data_prep.capture import (
     storage_dir,
 )
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
-from data_prep.regenerate import regen_settings, regenerate_rank_share
+from data_prep.regenerate import answer_samples, regen_settings, regenerate_rank_share
 from data_prep.render import render_all
 from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging
@@ -202,7 +202,13 @@ def run(cfg: DictConfig) -> dict:
         storage = [storage_dir(cache_dir, rank)] if chunks else []
         with vllm_log_file(run_dir / "logs" / f"{rank_name}.log"), leash(run_dir, rank_name, remove=storage):
             conversations, regen_record, chunk_shards = regenerate_rank_share(
-                conversations, tokenizer, tdir, cfg.regen, cache_dir / "regenerated", accelerator, chunks
+                answer_samples(conversations, cfg.regen),
+                tokenizer,
+                tdir,
+                cfg.regen,
+                cache_dir / "regenerated",
+                accelerator,
+                chunks,
             )
         log.info("regenerated answers with the target: %s", regen_record)
 

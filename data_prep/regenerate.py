@@ -9,6 +9,7 @@ with any number of processes - reuses every finished chunk.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections import Counter
@@ -23,13 +24,46 @@ log = logging.getLogger(__name__)
 
 
 def regen_settings(cfg) -> dict:
-    """What decides the regenerated text: recorded in the manifest and part of the cache's identity."""
-    return {
+    """What decides the regenerated text: recorded in the manifest and part of the cache's identity (and so
+    of the head's record: artifacts/manifest.py answer_temperatures reads it)."""
+    settings = {
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens,
         "seed": cfg.seed,
     }
+    if cfg.temperature > 0:  # sampled: how many answers, and seeds per request (greedy caches keep theirs)
+        settings |= {
+            "samples_per_prompt": cfg.samples_per_prompt,
+            "include_greedy": cfg.include_greedy,
+            "seeds": "per_request",
+        }
+    return settings
+
+
+def answer_samples(conversations: list, cfg) -> list:
+    """Each conversation `regen.samples_per_prompt` times, as `<id>#<j>`: each sample is regenerated with
+    its own seeds, so a prompt gives that many different answers (one conversation each)."""
+    n = cfg.samples_per_prompt
+    if n == 1:
+        return conversations
+    return [type(c)(id=f"{c.id}#{j}", messages=c.messages) for c in conversations for j in range(n)]
+
+
+def sampling_params(cfg, conversation_id: str, turn: int):
+    """The request's vLLM sampling: greedy at temperature 0 (and for sample 0 with `include_greedy`), else
+    sampled with a seed of its own from (regen.seed, the conversation id, the turn): a sample's answer does
+    not depend on which requests share its batch, so a resumed chunk regenerates the same text."""
+    from vllm import SamplingParams
+
+    greedy = cfg.temperature == 0 or (cfg.include_greedy and conversation_id.rsplit("#", 1)[-1] == "0")
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
+    key = f"{cfg.seed}/{conversation_id}/{turn}".encode()
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:4], "little")
+    return SamplingParams(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=seed
+    )
 
 
 def start_engine(target_path: str, cfg, device_index: int | None = None):
@@ -56,9 +90,6 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, s
     its tokens (that prompt and the answer's tokens but the last, which no forward pass reads), its loss
     mask (the earlier answers and this one), its aux and final states and the regenerated conversation.
     """
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens)
     max_model_len = llm.llm_engine.model_config.max_model_len
     counts = Counter()
     # Each conversation as its system/user turns; answers are filled in round by round.
@@ -91,6 +122,7 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, s
                 prompts.append(prompt)
             if not batch:
                 break
+            params = [sampling_params(cfg, conversations[i].id, turn) for i in batch]
             if capture is None:
                 outputs = llm.generate(token_prompts([p.input_ids for p in prompts]), params, use_tqdm=True)
             else:

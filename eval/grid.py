@@ -10,7 +10,12 @@ import logging
 from pathlib import Path
 
 from artifacts import atomic
-from export.read_vllm import export_trained_ks, read_export_config
+from export.read_vllm import (
+    export_trained_ks,
+    export_trained_temperatures,
+    read_export_config,
+    temperature_note,
+)
 from export.record import check_export
 from export.to_vllm import check_head_fits_target, speculative_config
 from heads.kinds import head_kind
@@ -41,7 +46,11 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
             check_head_fits_target(path, fields, target_config)
             drafting = head_kind(kind).drafting
             ks, dropped = served_ks(head, path, kind, fields)
-            note = "; ".join(n for n in (note, dropped) if n) or None
+            served_t = [float(t) for t in cfg.eval.temperature]
+            other_t = temperature_note(head.name, export_trained_temperatures(path), served_t)
+            if other_t:
+                log.warning("%s", other_t)
+            note = "; ".join(n for n in (note, dropped, other_t) if n) or None
         else:
             raise ValueError(f"eval.heads[{head.name}].method={head.method!r}: choose export or ngram")
         for k in ks:

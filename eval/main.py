@@ -38,10 +38,11 @@ from eval.grid import schedule_configs, server_configs
 from eval.measure import served_runs, workload_label
 from eval.offline import offline_runs
 from eval.report import log_to_wandb, write_report
-from eval.results import add_comparisons, headline, headline_table, run_line
+from eval.results import add_comparisons, add_estimates, headline, headline_table, run_line
 from eval.server import ServerError
 from eval.workloads import shortfalls, workload_prompts
 from export.card import write_model_card
+from heads.head_file import read_record
 from target.model import load_config, load_tokenizer, target_dir
 from target.reaper import leash
 
@@ -86,6 +87,8 @@ def evaluate_heads(cfg: DictConfig) -> dict:
         runs = served_runs(cfg, configs, prompts, target_path, out_dir)
 
     add_comparisons(runs)
+    held_out, sampling = head_estimates(cfg, run_dir)
+    add_estimates(runs, held_out, sampling)
     deployable = {
         c["head"]: {k: v for k, v in c["speculative_config"].items() if k != "num_speculative_tokens"}
         for c in configs
@@ -102,6 +105,7 @@ def evaluate_heads(cfg: DictConfig) -> dict:
         try:
             runs = served_runs(cfg, configs + schedules, prompts, target_path, out_dir)
             add_comparisons(runs)
+            add_estimates(runs, held_out, sampling)
         except ServerError as error:  # this vLLM build refused the schedule: say so, keep the fixed-k runs
             schedule_note = f"vLLM did not serve the per-batch-size k schedule: {error}"
             log.warning("%s", schedule_note)
@@ -127,6 +131,20 @@ def evaluate_heads(cfg: DictConfig) -> dict:
     if cfg.eval.report_to == "wandb":
         log_to_wandb(results, paths, out_dir, cfg.eval.wandb_project, cfg.eval.wandb_mode)
     return results
+
+
+def head_estimates(cfg, run_dir: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """Per trained head: train's final held-out metrics, from the head record of the run its export lies in
+    (`<run>/export` beside `<run>/draft_head`; none for an export elsewhere), and its draft_sample_method."""
+    held_out, sampling = {}, {}
+    for h in cfg.eval.heads:
+        if h.method != "export":
+            continue
+        sampling[h.name] = h.draft_sample_method
+        head_dir = Path(h.path or run_dir / "export").resolve().parent / "draft_head"
+        if (head_dir / "draft_config.json").exists():
+            held_out[h.name] = read_record(head_dir).held_out
+    return held_out, sampling
 
 
 def update_model_card(cfg, run_dir: Path, results: dict) -> None:

@@ -126,6 +126,31 @@ def economics_section(runs: list[dict]) -> list[str]:
     ]
 
 
+def estimate_section(runs: list[dict]) -> list[str]:
+    """Served acceptance beside train's held-out estimate of it (eval/results.py add_estimates), per head,
+    k, workload and temperature, at the lowest measured concurrency."""
+    picked = [r for r in lowest_concurrency_runs(runs) if r.get("estimate")]
+    if not picked:
+        return []
+    rows = []
+    for r in picked:
+        served = acceptance(r)["mean_acceptance_length"]
+        rows.append([r["config"], r["workload"], r.get("concurrency"), fmt(r["estimate"]), fmt(served),
+                     f"{served / r['estimate'] - 1:+.1%}"])  # fmt: skip
+    return [
+        "## Served against train's held-out estimate",
+        "",
+        "Mean acceptance length served, against the estimate train measured on its held-out conversations "
+        "(draft_config.json; T=0: the argmax chain; T=1: vLLM's argmax drafts, or sampled ones with "
+        "draft_sample_method=probabilistic). The estimate scores contexts of the training answers: a head "
+        "trained on greedy answers and served at T=1 meets sampled contexts it was not scored on.",
+        "",
+        *table(
+            ["config", "workload", "concurrency", "held-out estimate", "served", "served vs estimate"], rows
+        ),
+    ]
+
+
 def compare_section(runs: list[dict], workloads: list[str]) -> list[str]:
     heads = ordered(r["head"] for r in runs if r["head"] is not None)
     if len(heads) < 2:
@@ -207,6 +232,7 @@ def render_report(results: dict, plots: dict[str, Path]) -> str:
     lines += image(plots, "itl_vs_concurrency", "ITL p50 vs concurrency")
     for section, plot, caption in (
         (per_position_section(runs), "acceptance_per_position", "per-position acceptance"),
+        (estimate_section(runs), "", ""),
         (economics_section(runs), "speedup_predicted_vs_measured", "predicted vs measured speedup"),
     ):
         if section:

@@ -81,6 +81,23 @@ def add_comparisons(runs: list[dict]) -> None:
             r["economics"] = economics(r["acceptance"], r["k"], tpot_head, tpot_base, r["speedup"], drafting)
 
 
+# train's held-out estimate that predicts a served run (train/metrics.py ESTIMATES): at T=0 the argmax
+# chain; at T=1 the argmax drafts vLLM makes by default, or the sampled ones of draft_sample_method
+# probabilistic. Other temperatures have none.
+ESTIMATE_KEYS = {(0.0, "greedy"): "accept_len", (0.0, "probabilistic"): "accept_len",
+                 (1.0, "greedy"): "accept_len_t1", (1.0, "probabilistic"): "accept_len_t1_sampled"}  # fmt: skip
+
+
+def add_estimates(runs: list[dict], held_out: dict[str, dict], sampling: dict[str, str]) -> None:
+    """Each head run's `estimate`: its head's held-out estimate at the run's k and temperature (`held_out`:
+    head name -> the head record's final held-out metrics; `sampling`: head name -> draft_sample_method),
+    None where the record or the temperature has none. In place."""
+    for r in runs:
+        metrics = held_out.get(r["head"]) or {}
+        key = ESTIMATE_KEYS.get((float(r.get("temperature", 0.0)), sampling.get(r["head"], "greedy")))
+        r["estimate"] = metrics.get(f"eval/{key}_k{r['k']}") if key and not r.get("schedule") else None
+
+
 def headline(runs: list[dict], recommendations: list[dict]) -> list[dict]:
     """Per (head, workload): the recommended k at each measured concurrency, and its k schedule if served."""
     rows = []

@@ -33,6 +33,31 @@ LAYER_FIELDS = (
 TRAINED_KS = "trained_num_speculative_tokens"
 
 
+# config.json's key for the temperatures the head's training answers were generated at (HeadRecord
+# trained_temperatures; absent: the dataset's own answers, or an export written elsewhere).
+TRAINED_TEMPERATURES = "trained_temperatures"
+
+
+def export_trained_temperatures(export_dir: Path) -> list[float] | None:
+    """The temperatures an export's head was trained for (its TRAINED_TEMPERATURES); None: not said."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    return config.get(TRAINED_TEMPERATURES)
+
+
+def temperature_note(name: str, trained: list[float] | None, served: list[float]) -> str | None:
+    """What eval and the watch say when a head is served at temperatures its training answers were not
+    generated at (None: it was, or its export does not say). A head trained on greedy answers has never
+    seen the target's sampled text as context, and one trained on samples dilutes the greedy answer."""
+    other = [t for t in served if trained is not None and not any(abs(t - x) < 1e-6 for x in trained)]
+    if not other:
+        return None
+    return (
+        f"head {name}: served at temperature {', '.join(f'{t:g}' for t in other)}; its training answers were "
+        f"generated at {', '.join(f'{t:g}' for t in trained)} (retrain with regen.temperature for that traffic: "
+        "docs/recipe.md#temperature)"
+    )
+
+
 def export_trained_ks(export_dir: Path) -> list[int] | None:
     """The k an export's head was trained to draft (its TRAINED_KS); None where the export does not say
     (written before this key, by another trainer, or a chain head)."""

@@ -53,7 +53,7 @@ import torch
 from artifacts import atomic
 from artifacts.config import sglang_refusal
 from artifacts.vocab import load_vocab_map
-from export.read_vllm import TRAINED_KS
+from export.read_vllm import TRAINED_KS, TRAINED_TEMPERATURES
 from export.record import RECORD
 from export.to_sglang import (
     SGLANG_DIR,
@@ -316,6 +316,8 @@ def export_head(
             sglang = eagle1_sglang_files(config, weights)
     if record.trained_ks is not None:  # for eval and readers; vLLM and speculators ignore the key
         config[TRAINED_KS] = record.trained_ks
+    if record.trained_temperatures is not None:  # the same, for the temperature served
+        config[TRAINED_TEMPERATURES] = record.trained_temperatures
     # The old export stays whole until this one replaces it; only an export is ever replaced.
     with atomic.publish_dir(out_dir, kind="export", legacy=(RECORD,)) as tmp:
         write_engine_files(tmp, config, weights)

@@ -27,6 +27,7 @@ import torch
 
 from artifacts import atomic
 from artifacts.cache import file_sha256
+from artifacts.manifest import answer_temperatures
 from heads.config import LlamaLayerConfig
 from heads.kinds import head_kind, load_weights
 from heads.layers import DraftModel
@@ -61,6 +62,11 @@ class HeadRecord:
             return self.config.trained_ks()
         depths = self.training.get("settings", {}).get("head", {}).get("num_depths")
         return list(range(1, depths + 1)) if self.kind == "peagle" and depths else None
+
+    @property
+    def trained_temperatures(self) -> list[float] | None:
+        """The temperatures its training answers were generated at (None: the dataset's own answers)."""
+        return answer_temperatures(self.cache.get("regeneration"))
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "config": self.config.to_dict()}

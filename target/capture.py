@@ -240,11 +240,12 @@ class CaptureEngine:
         the generated tokens but the last, which no forward pass has read). `progress`: vLLM's bar."""
         from vllm.inputs import TokensPrompt
 
-        if with_output_tokens:
-            extra = dict(params.extra_args or {})
-            extra["kv_transfer_params"] = {"include_output_tokens": True}
-            params = params.clone()
-            params.extra_args = extra
+        if with_output_tokens:  # `params`: one SamplingParams for all, or a list of one per prompt
+            params = (
+                [with_output_states(p) for p in params]
+                if isinstance(params, list)
+                else with_output_states(params)
+            )
         return self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=progress
         )
@@ -293,3 +294,12 @@ def check_and_split(data: dict, expected_ids: list[int], layers: CaptureLayers, 
     if not states.any(dim=-1).all():
         raise ValueError(f"{what}: the captured hidden states are all zero for some token and layer")
     return layers.split(states)
+
+
+def with_output_states(params):
+    """A copy of vLLM SamplingParams whose request also captures the states of its generated tokens."""
+    extra = dict(params.extra_args or {})
+    extra["kv_transfer_params"] = {"include_output_tokens": True}
+    params = params.clone()
+    params.extra_args = extra
+    return params

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from artifacts.cache import CacheSplit
+from artifacts.config import check_config
 from artifacts.manifest import read_manifest
 from data_prep.main import run
 from tests.helpers import REPO, smoke_config
@@ -176,3 +177,63 @@ def test_a_record_the_template_rejects_is_skipped_and_counted(tmp_path):
     new, counts = regenerate_conversations(Engine(), tokenizer, conversations, cfg)
     assert [c.id for c in new] == ["c0", "c2"] and counts["template_error"] == 1
     assert all([m["content"] for m in c.messages if m["role"] == "assistant"] == ["fine"] * 2 for c in new)
+
+
+def test_sampled_answers_have_a_seed_of_their_own_and_greedy_settings_refuse_several():
+    from types import SimpleNamespace
+
+    from data_prep.regenerate import answer_samples, regen_settings, sampling_params
+    from data_prep.sources import Conversation
+
+    cfg = SimpleNamespace(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=0, samples_per_prompt=3,
+                          include_greedy=False)  # fmt: skip
+    samples = answer_samples([Conversation("a", []), Conversation("b#1", [])], cfg)
+    assert [c.id for c in samples] == ["a#0", "a#1", "a#2", "b#1#0", "b#1#1", "b#1#2"]
+    seeds = {(c.id, turn): sampling_params(cfg, c.id, turn).seed for c in samples for turn in (0, 1)}
+    assert len(set(seeds.values())) == len(seeds)  # per sample and turn
+    assert sampling_params(cfg, "a#1", 0).seed == seeds[("a#1", 0)]  # the same request, the same seed
+    assert sampling_params(cfg, "a#0", 0).temperature == 1.0 and sampling_params(cfg, "a#0", 0).top_p == 0.9
+    mixed = SimpleNamespace(**{**vars(cfg), "include_greedy": True})
+    assert (
+        sampling_params(mixed, "a#0", 1).temperature == 0
+        and sampling_params(mixed, "a#2", 1).temperature == 1
+    )
+    other = SimpleNamespace(**{**vars(cfg), "seed": 1})
+    assert sampling_params(other, "a#1", 0).seed != seeds[("a#1", 0)]
+    assert regen_settings(cfg)["samples_per_prompt"] == 3
+    greedy = SimpleNamespace(**{**vars(cfg), "temperature": 0.0, "samples_per_prompt": 1})
+    assert set(regen_settings(greedy)) == {"temperature", "top_p", "max_new_tokens", "seed"}  # as before
+    assert answer_samples(samples, greedy) is samples
+
+    for overrides, match in [
+        (["regen.samples_per_prompt=2"], r"regen.samples_per_prompt=2: must be 1 at regen.temperature=0"),
+        (
+            ["regen.samples_per_prompt=2", "regen.temperature=1", "regen.enabled=false"],
+            "1 without regeneration",
+        ),
+        (
+            ["regen.include_greedy=true", "regen.temperature=1"],
+            "regen.include_greedy=True: must be false unless",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_config(smoke_config("/tmp/unused", *overrides, experiment="smoke_regen"))
+
+
+def test_a_head_records_the_temperature_of_its_answers(tmp_path):
+    from artifacts.manifest import answer_temperatures
+    from export.card import temperature_text
+    from export.read_vllm import temperature_note
+
+    greedy = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 8, "seed": 0}
+    sampled = {**greedy, "temperature": 1.0, "samples_per_prompt": 4, "include_greedy": False}
+    assert answer_temperatures(None) is None and answer_temperatures(greedy) == [0.0]
+    assert answer_temperatures(sampled) == [1.0]
+    assert answer_temperatures({**sampled, "include_greedy": True}) == [0.0, 1.0]
+    assert "4 answers per prompt" in temperature_text(sampled) and "greedy traffic" in temperature_text(
+        greedy
+    )
+    assert temperature_note("h", [0.0], [0.0]) is None and temperature_note("h", None, [1.0]) is None
+    assert temperature_note("h", [0.0, 1.0], [0.0, 1.0]) is None
+    note = temperature_note("h", [0.0], [0.0, 1.0])
+    assert note.startswith("head h: served at temperature 1;") and "generated at 0" in note

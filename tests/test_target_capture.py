@@ -269,7 +269,16 @@ def one_pass_run(smoke_target_dir, tmp_path_factory):
 
 
 # 1 MB shards: a chunk of 16 conversations of the smoke target (~2 KB of states a token) takes several.
-ONE_PASS = ["capture.engine=vllm", "regen.batch_size=16", "regen.max_new_tokens=32", "cache.max_shard_mb=1"]
+# Sampled at T=1, two answers to each of 32 prompts: 64 conversations in 4 chunks, each its own seeds.
+ONE_PASS = [
+    "capture.engine=vllm",
+    "regen.batch_size=16",
+    "regen.max_new_tokens=32",
+    "cache.max_shard_mb=1",
+    "data.num_samples=32",
+    "regen.temperature=1",
+    "regen.samples_per_prompt=2",
+]
 
 
 def test_one_pass_samples_are_the_regenerated_conversations(one_pass_run):
@@ -279,6 +288,23 @@ def test_one_pass_samples_are_the_regenerated_conversations(one_pass_run):
     manifest = read_manifest(cache)
     assert manifest["capture"]["regenerated_in_same_pass"] is True
     assert len(manifest["regeneration_record"]["files"]) == 4
+    assert manifest["regeneration"] == {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32, "seed": 0,
+                                        "samples_per_prompt": 2, "include_greedy": False, "seeds": "per_request"}  # fmt: skip
+    # Two samples of each prompt, on one side of the split (it hashes the prompt), answered differently.
+    conversations = {}
+    for split in ("train", "eval"):
+        for sample_id in CacheSplit(cache, split).ids:
+            conversations.setdefault(sample_id.rsplit("#", 1)[0], []).append((split, sample_id))
+    assert len(conversations) > 24 and all(len({s for s, _ in v}) == 1 for v in conversations.values())
+    assert sum(len(v) == 2 for v in conversations.values()) > 24  # both samples kept (unless one was empty)
+    train = CacheSplit(cache, "train")
+    pairs = [
+        [train.ids.index(i) for _, i in v]
+        for v in conversations.values()
+        if len(v) == 2 and v[0][0] == "train"
+    ]
+    differ = [not torch.equal(train[a]["input_ids"], train[b]["input_ids"]) for a, b in pairs]
+    assert sum(differ) >= 0.8 * len(differ)  # the same prompt, other sampled answers
     shards = manifest["splits"]["train"]["shards"]
     assert len(shards) > 4  # more than one shard per chunk, each about max_shard_mb
     assert max(s["num_bytes"] for s in shards) < 1.2 * 2**20

@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 from artifacts import atomic
 from artifacts.config import check_config, register_configs
 from eval.server import http_get
-from export.read_vllm import read_export_config
+from export.read_vllm import export_trained_temperatures, read_export_config, temperature_note
 from export.record import read_record
 from watch.alert_rules import write_rules
 from watch.expectation import (
@@ -187,11 +187,20 @@ def actions(verdict: Verdict, cfg: DictConfig, head_dir: Path, overrides: list[s
 def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """data_prep on the served traffic (watch.traffic), train warm-started from this run's head, export
     with verification, eval: the run's own overrides, and the served model where it is not the head's
-    target (watch.target, after a base-model upgrade)."""
+    target (watch.target, after a base-model upgrade). Answers regenerated at the served temperature
+    (watch.temperature) where the run regenerated at another: the head is trained for what it serves."""
     same = [o for o in overrides if not o.startswith(("watch.", "run_dir="))]
+    regen = []
+    served_t = float(cfg.watch.temperature)
+    if cfg.regen.enabled and abs(float(cfg.regen.temperature) - served_t) > 1e-6:
+        same = [o for o in same if not o.startswith(("regen.temperature=", "regen.samples_per_prompt=",
+                                                     "regen.include_greedy="))]  # fmt: skip
+        regen = [f"regen.temperature={served_t:g}"]
+        if served_t == 0:  # one greedy answer per prompt
+            regen += ["regen.samples_per_prompt=1", "regen.include_greedy=false"]
     if cfg.watch.target and not any(o.startswith(("target=", "target.path=")) for o in same):
         same.append(f"target.path={cfg.watch.target}")
-    same = " ".join(shlex.quote(o) for o in same)  # eval.heads=[{...,...}] would be brace-expanded
+    same = " ".join(shlex.quote(o) for o in same + regen)  # eval.heads=[{...,...}] would be brace-expanded
     new_run = f"{cfg.run_dir.rstrip('/')}_retrained"
     traffic = cfg.watch.traffic or "<your request log, OpenAI-style JSONL>"
     warm = Path(cfg.run_dir) / "draft_head"
@@ -271,6 +280,11 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
     except Unanswered as error:
         raise WatchError(str(error)) from error
     check_server(settings.url, target)
+    other_t = temperature_note(
+        "watched", export_trained_temperatures(head_dir), [float(settings.temperature)]
+    )
+    if other_t:  # judged all the same: the record's eval may have measured it at this temperature
+        log.warning("%s", other_t)
     if not first.speculating:
         raise WatchError(
             f"watch.url={settings.url}: the server exposes no spec-decode counters: it does not draft"

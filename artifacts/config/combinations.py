@@ -198,6 +198,7 @@ def check_combinations(cfg: DictConfig) -> None:
             f"1 for a {cfg.head.kind} head (only P-EAGLE and DFlash stack layers)",
         )
     check_data(cfg.data)
+    check_regen(cfg.regen)
     for key, entries in (("eval.heads", cfg.eval.heads), ("eval.workloads", cfg.eval.workloads)):
         names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
@@ -217,3 +218,22 @@ def check_combinations(cfg: DictConfig) -> None:
             )
         if head.method == "ngram" and head.prompt_lookup_min > head.prompt_lookup_max:
             refuse(f"eval.heads[{index}].prompt_lookup_min", head.prompt_lookup_min, "<= prompt_lookup_max")
+
+
+def check_regen(regen) -> None:
+    """Several answers per prompt only where they differ: sampled (temperature > 0), after regeneration."""
+    if regen.samples_per_prompt > 1 and not regen.enabled:
+        refuse("regen.samples_per_prompt", regen.samples_per_prompt, "1 without regeneration (regen.enabled)")
+    if regen.samples_per_prompt > 1 and regen.temperature == 0:
+        refuse(
+            "regen.samples_per_prompt",
+            regen.samples_per_prompt,
+            "1 at regen.temperature=0 (greedy answers are all the same); sample with regen.temperature > 0",
+        )
+    if regen.include_greedy and (regen.samples_per_prompt < 2 or regen.temperature == 0):
+        refuse(
+            "regen.include_greedy",
+            True,
+            "false unless regen.samples_per_prompt >= 2 and regen.temperature > 0 (sample 0 greedy, the rest "
+            "sampled)",
+        )

@@ -94,7 +94,11 @@ class RegenConfig:
     temperature: float = checked(0.0, within(0, 2))  # 0 = greedy (vLLM samples up to 2)
     top_p: float = checked(1.0, within(0, 1, low_closed=False))  # nucleus sampling when temperature > 0
     max_new_tokens: int = checked(512, POSITIVE)  # cap on each regenerated turn
-    seed: int = 0  # sampling seed (vLLM per-request seeds derive from it)
+    seed: int = 0  # sampling seed: each request's own seed derives from it, the conversation id and turn
+    # answers per conversation (temperature > 0): each sample its own conversation `<id>#<j>` and seeds; the
+    # held-out split is by prompt, so a prompt's samples all land on one side (docs/recipe.md#temperature)
+    samples_per_prompt: int = checked(1, POSITIVE)
+    include_greedy: bool = False  # sample 0 of each prompt is the greedy answer: a greedy and sampled mix
     # conversations per chunk: one vLLM call per turn, saved when done (the resume unit)
     batch_size: int = checked(256, POSITIVE)
     vllm_kwargs: dict[str, Any] = field(
