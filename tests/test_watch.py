@@ -343,3 +343,30 @@ def test_traffic_logs_each_served_answer_as_a_record_data_prep_reads(tmp_path):
     loaded = load_conversations(DataConfig(source=str(log), format="openai", id_field="id"))
     assert len(loaded.conversations) == len(records) and not loaded.skipped
     assert traffic.position == traffic.requests + traffic.failed + 1
+
+
+def test_retraining_regenerates_the_answers_at_the_served_temperature(tmp_path):
+    """A run regenerated at another temperature than the server samples at (watch.temperature): the retrain
+    commands regenerate at the served one, and each composes to a valid config."""
+    import shlex
+
+    from artifacts.config import check_config
+    from watch.main import retrain_commands
+
+    def commands(run_overrides, served):
+        watched = [f"watch.temperature={served}", "watch.traffic=/logs/requests.jsonl"]
+        cfg = compose("config", [*run_overrides, f"run_dir={tmp_path}", *watched])
+        return retrain_commands(cfg, run_overrides)
+
+    greedy = ["experiment=smoke_regen"]
+    for command in commands(greedy, 1):
+        assert " regen.temperature=1" in command
+        check_config(compose("config", shlex.split(command)[2:]))
+    sampled = ["experiment=smoke_regen", "regen.temperature=0.7", "regen.samples_per_prompt=4"]
+    data_prep = commands(sampled, 0)[0]
+    assert "regen.temperature=0.7" not in data_prep and "samples_per_prompt=4" not in data_prep
+    assert data_prep.endswith("regen.temperature=0 regen.samples_per_prompt=1 regen.include_greedy=false run_dir="
+                              f"{tmp_path}_retrained data.source=/logs/requests.jsonl data.format=openai")  # fmt: skip
+    served_as_trained = commands(sampled[:2], 0.7)  # the run's own setting, nothing added
+    assert all(c.count("regen.temperature") == 1 and "regen.temperature=0.7" in c for c in served_as_trained)
+    assert all("regen.temperature" not in c for c in commands(["experiment=smoke"], 1))  # no regeneration
