@@ -103,6 +103,18 @@ def read_conversations(path: Path) -> list[dict]:
     return records
 
 
+def distinct_prompts(conversations: list[dict]) -> list[dict]:
+    """The conversations whose first-turn prompt is new, in order: the held-out file holds each prompt once
+    per sampled answer (regen.samples_per_prompt), and a workload measures each prompt once."""
+    seen, kept = set(), []
+    for conversation in conversations:
+        key = json.dumps(first_turn_prompt(conversation["messages"]), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            kept.append(conversation)
+    return kept
+
+
 def first_turn_prompt(messages: list[dict]) -> list[dict]:
     """The messages up to and including the first user turn."""
     for i, message in enumerate(messages):
@@ -124,7 +136,7 @@ def held_out_prompts(cache_dir: Path, tokenizer, num_prompts: int) -> list[list[
     path = Path(cache_dir) / "eval_conversations.jsonl"
     if not path.exists():
         raise ValueError(f"{path} is missing: decoding reads the held-out prompts data_prep wrote there")
-    conversations = read_conversations(path)[:num_prompts]
+    conversations = distinct_prompts(read_conversations(path))[:num_prompts]
     if not conversations:
         raise ValueError(f"{path} holds no conversations: no held-out prompts to decode")
     return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations]

@@ -153,7 +153,11 @@ def update_model_card(cfg, run_dir: Path, results: dict) -> None:
     names = [h.name for h in cfg.eval.heads if Path(h.path or export_dir).resolve() == export_dir]
     if not names or not (export_dir / "README.md").exists() or not (head_dir / "draft_config.json").exists():
         return
-    mine = {**results, "headline": [row for row in results["headline"] if row["head"] in names]}
+    mine = {
+        **results,
+        "headline": [row for row in results["headline"] if row["head"] in names],
+        "recommendations": [rec for rec in results["recommendations"] if rec["head"] in names],
+    }
     write_model_card(
         export_dir,
         head_dir,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from artifacts.prompts import prompt_token_ids, read_conversations
+from artifacts.prompts import distinct_prompts, prompt_token_ids, read_conversations
 
 CODE_INSTRUCTION = (
     "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
@@ -114,7 +114,7 @@ def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) 
             raise ValueError(
                 f"workload chat: {path} is missing (data_prep writes the held-out conversations)"
             )
-        conversations = read_conversations(path)
+        conversations = distinct_prompts(read_conversations(path))  # once each, however many samples
     elif source == "code":
         conversations = humaneval_conversations()
     else:

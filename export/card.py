@@ -101,10 +101,16 @@ def eval_section(results: dict) -> list[str]:
     if not rows:
         return []
     header = list(rows[0])
+    advice = [f"- {rec['text']}" for rec in results.get("recommendations") or [] if rec.get("text")]
     return [
         "## Serving measurements (eval)",
         "",
         *table(header, [[r.get(k, "") for k in header] for r in rows]),
+        *(
+            ["", "Deploy, per workload and temperature (eval's recommendations):", "", *advice]
+            if advice
+            else []
+        ),
     ]
 
 

@@ -171,6 +171,22 @@ def test_workloads(tmp_path):
     assert [c["messages"][0]["content"] for c in conversations] == ["hi", "yo", "sharegpt", "a\nb"]
     assert conversations[2]["messages"][1] == {"role": "assistant", "content": "ok"}
 
+    # The held-out file of a sampled cache holds each prompt once per answer: measured once each.
+    from artifacts.smoke import build_tokenizer
+    from eval.workloads import workload_prompts
+
+    def held_out(i, j):
+        return {"id": f"c{i}#{j}", "messages": [{"role": "user", "content": f"question {i}"},
+                                                {"role": "assistant", "content": f"answer {j}"}]}  # fmt: skip
+
+    (tmp_path / "eval_conversations.jsonl").write_text(
+        "".join(json.dumps(held_out(i, j)) + "\n" for i in range(3) for j in range(2))
+    )
+    tokenizer = build_tokenizer()
+    prompts = workload_prompts("chat", tokenizer, tmp_path, 10)
+    assert [tokenizer.decode(p).count("question") for p in prompts] == [1, 1, 1]
+    assert len({tuple(p) for p in prompts}) == 3
+
 
 @pytest.mark.parametrize(
     ("line", "message"),

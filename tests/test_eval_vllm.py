@@ -173,6 +173,7 @@ def test_eval_measures_baseline_and_head(eval_run):
     assert {p.name for p in (out / "logs").iterdir()} == {"baseline.log", "head_k3.log"}
     card = (eval_run / "export" / "README.md").read_text()  # the model card now carries eval's headline
     assert "## Serving measurements (eval)" in card and "| chat | head | 3 | 1 |" in card
+    assert all(f"- {rec['text']}" in card for rec in results["recommendations"])  # the advice per workload
 
     # Without vLLM, the reference decoder on the export gives the served figures of concurrency 1.
     offline = evaluate(

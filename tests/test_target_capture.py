@@ -269,7 +269,8 @@ def one_pass_run(smoke_target_dir, tmp_path_factory):
 
 
 # 1 MB shards: a chunk of 16 conversations of the smoke target (~2 KB of states a token) takes several.
-# Sampled at T=1, two answers to each of 32 prompts: 64 conversations in 4 chunks, each its own seeds.
+# Sampled at T=1, two answers to each of 32 prompts: 64 conversations in 4 chunks, each its own seeds, their
+# prompts prefilled in steps of 128 tokens (target/vllm_cpu_fixes.py: vLLM's CPU build died on that).
 ONE_PASS = [
     "capture.engine=vllm",
     "regen.batch_size=16",
@@ -278,6 +279,7 @@ ONE_PASS = [
     "data.num_samples=32",
     "regen.temperature=1",
     "regen.samples_per_prompt=2",
+    "+regen.vllm_kwargs.max_num_batched_tokens=128",  # prompts prefilled in chunks: seeded samples discarded
 ]
 
 

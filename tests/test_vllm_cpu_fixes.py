@@ -60,3 +60,41 @@ def test_vllm_loads_the_repair_as_a_general_plugin():
 
     load_plugins_by_group("vllm.general_plugins")["eagle_pipeline_cpu_fixes"]()
     assert cpu_triton_utils._expand_kernel_impl is expand_kernel
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert GPUModelRunner._sample.rewinds and GPUModelRunner._bookkeeping_sync.rewinds
+
+
+def test_a_discarded_sample_leaves_its_seeded_generator_as_it_was():
+    """The rewind of a partial prefill's sample, by generator state (CPU generators have no offset; vLLM's
+    own rewind raises there). A real engine runs it in tests/test_target_capture.py's one-pass cache."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from target.vllm_cpu_fixes import no_offset_rewind, rewind_discarded
+
+    generators = {0: torch.Generator().manual_seed(1), 2: torch.Generator().manual_seed(2)}
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(generators=generators, num_reqs=3),
+        discard_request_mask=SimpleNamespace(np=np.array([True, True, False, False])),  # 0 and 1 discarded
+    )
+    expected = {i: torch.rand(3, generator=torch.Generator().manual_seed(s)) for i, s in ((0, 1), (2, 2))}
+
+    def sample(self):  # every seeded request draws
+        return {i: torch.rand(3, generator=g) for i, g in self.input_batch.generators.items()}
+
+    def bookkeeping(self):  # vLLM's rewind: only Philox generators have offsets
+        for i in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]:
+            if (gen := self.input_batch.generators.get(int(i))) is not None:
+                gen.set_offset(gen.get_offset() - 4)
+
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        bookkeeping(runner)
+    drawn = rewind_discarded(sample)(runner)
+    no_offset_rewind(bookkeeping)(runner)
+    assert set(runner.input_batch.generators) == {0, 2}
+    assert torch.equal(drawn[0], expected[0]) and torch.equal(drawn[2], expected[2])
+    # Request 0's sample was discarded: it draws the same numbers again; request 2's moved on.
+    again = sample(runner)
+    assert torch.equal(again[0], expected[0]) and not torch.equal(again[2], expected[2])
