@@ -30,6 +30,7 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
         if cfg.eval.baseline
         else []
     )
+    served_t = [float(t) for t in cfg.eval.temperature]
     for head in cfg.eval.heads:
         if head.method == "ngram":
             drafting = "ngram"
@@ -46,7 +47,6 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
             check_head_fits_target(path, fields, target_config)
             drafting = head_kind(kind).drafting
             ks, dropped = served_ks(head, path, kind, fields)
-            served_t = [float(t) for t in cfg.eval.temperature]
             other_t = temperature_note(head.name, export_trained_temperatures(path), served_t)
             if other_t:
                 log.warning("%s", other_t)

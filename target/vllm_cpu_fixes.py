@@ -60,6 +60,8 @@ def discarded_generators(runner) -> dict:
     import numpy as np
 
     generators = runner.input_batch.generators
+    if not generators:  # no seeded request in the batch: every step of unseeded serving ends here
+        return {}
     indices = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
     return {int(i): generators[int(i)] for i in indices if int(i) in generators}
 
