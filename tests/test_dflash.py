@@ -18,7 +18,7 @@ from heads.dflash import DFlashConfig
 from heads.reference_decoder import BlockDraftState, DraftHead, DraftState, speculative_generate
 from target.model import default_aux_layer_ids
 from tests.helpers import DFLASH, QUALITY_THREADS, random_draft, smoke_config, tiny_head_config
-from train.losses import block_forward, block_loss, loss_weights, row_generators, sample_blocks
+from train.losses import Dpace, block_forward, block_loss, loss_weights, row_generators, sample_blocks
 
 
 def tiny_dflash_config(**overrides) -> DFlashConfig:
@@ -167,7 +167,9 @@ def test_an_overfit_learns_every_block_position():
 
 def test_dpace_weighs_each_prediction_by_its_blocks_reach():
     """D-PACE by hand: slot k of a block weighs sum_{j>=k} prod_{i<=j} (a + (1 - a) q_i(target's argmax)),
-    over the slots that block predicts; each slot's loss stays a mean over its predictions."""
+    over the slots that block predicts; each slot's loss stays a mean over its predictions; with
+    head.dpace_norm=all the total is once over every prediction, counted over the global batch when the
+    trainer passes its counts."""
     draft = random_draft(tiny_dflash_config(block_size=4))
     torch.manual_seed(1)
     length, a = 16, 0.5
@@ -180,9 +182,21 @@ def test_dpace_weighs_each_prediction_by_its_blocks_reach():
     batch["loss_mask"][:, :4] = False
     lm_head_VH = torch.randn(40, 64)
     blocks = sample_blocks(batch, 5, (2, 4), row_generators(batch, torch.Generator().manual_seed(2)))
-    total, metrics = block_loss(
-        draft, batch, [1.0] * 3, lm_head_VH, torch.arange(40), 64, blocks=blocks, dpace=a
-    )
+
+    def loss(norm, denominators=None):
+        return block_loss(
+            draft,
+            batch,
+            [1.0] * 3,
+            lm_head_VH,
+            torch.arange(40),
+            64,
+            denominators,
+            blocks,
+            dpace=Dpace(a, norm),
+        )
+
+    total, metrics = loss("position")
     with torch.no_grad():
         out = block_forward(
             draft, batch["input_ids"], batch["aux_hidden"], blocks.index_BM, blocks.lengths_BM
@@ -206,6 +220,11 @@ def test_dpace_weighs_each_prediction_by_its_blocks_reach():
     for k in range(3):
         assert float(metrics[f"loss_{k}"]) == pytest.approx(sums[k] / counts[k], rel=1e-4)
     assert float(total.detach()) == pytest.approx(sum(s / n for s, n in zip(sums, counts)), rel=1e-4)
+    assert float(loss("all")[0].detach()) == pytest.approx(sum(sums) / sum(counts), rel=1e-4)
+    global_counts = torch.tensor(counts, dtype=torch.float32) * torch.tensor([2.0, 3.0, 4.0])
+    assert float(loss("all", global_counts)[0].detach()) == pytest.approx(
+        sum(sums) / float(global_counts.sum()), rel=1e-4
+    )
 
 
 def test_loss_weights_decay_per_slot():

@@ -48,6 +48,33 @@ def test_each_divergence_is_least_where_the_draft_is_the_target():
     assert value("nla", q=P) == pytest.approx(0.0, abs=1e-12)
 
 
+def test_alpha_on_the_targets_own_probabilities():
+    """train.alpha_on=target: alpha = sum_v min(mass p_v, q_v) (the target's unnormalised probabilities of the
+    draft tokens, as vLLM accepts); KL keeps the renormalised p; a draft at p already reaches the most alpha
+    can be (mass), so TV gives it no gradient."""
+    mass = torch.tensor([0.8], dtype=torch.float64)
+    target = parse_objective("tv", alpha_on="target")
+    p, q = torch.tensor([P], dtype=torch.float64), log_probs(logits_of(Q))
+    alpha = sum(min(0.8 * pv, qv) for pv, qv in zip(P, Q))
+    assert float(token_losses(target, p, q, mass)) == pytest.approx(1 - alpha, rel=1e-12)
+    for spec in ("kl", "rkl"):  # no alpha in them: the same either way
+        assert float(token_losses(parse_objective(spec, alpha_on="target"), p, q, mass)) == (
+            pytest.approx(value(spec), rel=1e-12)
+        )
+    lam = math.exp(-3.0 * alpha)
+    lk = parse_objective("lk", alpha_on="target")
+    assert float(token_losses(lk, p, q, mass)) == pytest.approx(
+        lam * value("kl") + (1 - lam) * (1 - alpha), rel=1e-12
+    )
+    at_p = logits_of(P).requires_grad_(True)
+    loss = token_losses(target, p, log_probs(at_p), mass)
+    assert float(loss.detach()) == pytest.approx(1 - 0.8, rel=1e-12)
+    loss.sum().backward()
+    assert float(at_p.grad.abs().max()) == 0.0
+    with pytest.raises(ValueError, match="mass"):
+        token_losses(target, p, q)
+
+
 def gradient(spec, p, logits):
     logits = logits.clone().requires_grad_(True)
     token_losses(

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from tests.helpers import random_draft, tiny_head_config
-from train.losses import cod_anchors, parallel_forward, parallel_loss, row_generators, sample_blocks, ttt_loss
+from train.losses import (
+    Dpace,
+    cod_anchors,
+    parallel_forward,
+    parallel_loss,
+    row_generators,
+    sample_blocks,
+    ttt_loss,
+)
 
 torch.set_num_threads(1)
 
@@ -157,7 +165,8 @@ def test_depth_zero_is_eagle3s_first_ttt_step_and_gradients_reach_the_mask_state
 def test_dpace_weighs_each_depth_by_its_anchors_chain(kind):
     """D-PACE over TTT steps and P-EAGLE depths (COD anchors: deeper depths keep fewer), by hand: depth d at
     anchor t weighs sum_{m>=d} prod_{i<=m} (a + (1 - a) q_i(target's argmax)) over the depths that anchor
-    trains, a target argmax outside the draft vocabulary counting q = 0; each depth's loss stays a mean."""
+    trains, a target argmax outside the draft vocabulary counting q = 0; each depth's loss stays a mean, and
+    with head.dpace_norm=all the total is once over every prediction."""
     from train.losses import ttt_rollout
 
     model = random_draft(tiny_config())
@@ -166,11 +175,15 @@ def test_dpace_weighs_each_depth_by_its_anchors_chain(kind):
     anchors = [None] * num_depths
     if kind == "peagle":
         anchors = cod_anchors(batch, num_depths, 0.6, row_generators(batch, torch.Generator().manual_seed(3)))
-        total, metrics = parallel_loss(
-            model, batch, num_depths, 0.8, lm_head, d2t, 7, anchors=anchors, dpace=a
-        )
-    else:
-        total, metrics = ttt_loss(model, batch, num_depths, 0.8, lm_head, d2t, 7, dpace=a)
+
+    def loss(norm):
+        if kind == "peagle":
+            return parallel_loss(
+                model, batch, num_depths, 0.8, lm_head, d2t, 7, anchors=anchors, dpace=Dpace(a, norm)
+            )
+        return ttt_loss(model, batch, num_depths, 0.8, lm_head, d2t, 7, dpace=Dpace(a, norm))
+
+    total, metrics = loss("position")
     with torch.no_grad():
         if kind == "peagle":
             outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors)
@@ -213,6 +226,7 @@ def test_dpace_weighs_each_depth_by_its_anchors_chain(kind):
         assert int(metrics[f"num_pred_{d}"]) == counts[d]
         assert float(metrics[f"loss_{d}"]) == pytest.approx(sums[d] / counts[d], rel=1e-4)
     assert float(total.detach()) == pytest.approx(sum(s / n for s, n in zip(sums, counts)), rel=1e-4)
+    assert float(loss("all")[0].detach()) == pytest.approx(sum(sums) / sum(counts), rel=1e-4)
 
 
 def test_a_head_without_a_mask_token_is_refused():

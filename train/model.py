@@ -22,6 +22,7 @@ from target.model import load_final_norm
 from train.losses import (
     Anchors,
     Blocks,
+    Dpace,
     block_loss,
     cod_anchors,
     depth_predictions,
@@ -65,8 +66,10 @@ class DraftWithLoss(torch.nn.Module):
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
         self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
         self.seed = cfg.seed
-        self.objective = parse_objective(cfg.train.loss, cfg.train.lk_eta)
-        self.dpace = cfg.head.dpace_a if cfg.head.position_weights == "dpace" else None
+        self.objective = parse_objective(cfg.train.loss, cfg.train.lk_eta, cfg.train.alpha_on)
+        self.dpace = (
+            Dpace(cfg.head.dpace_a, cfg.head.dpace_norm) if cfg.head.position_weights == "dpace" else None
+        )
         if self.kind == "dflash":
             self.trained_lengths = trained_block_lengths(cfg.head)
             self.served_length = cfg.export.num_speculative_tokens + 1

@@ -3,7 +3,10 @@
 
 p is the target's distribution over the draft vocabulary (the teacher row), q = softmax(draft logits), and
 alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), the probability that a token sampled from q is accepted by
-rejection sampling against p (docs/design.md#objectives). The divergences, per token:
+rejection sampling against p (docs/design.md#objectives). Under `train.alpha_on=target` the p in alpha (TV,
+NLA, LK's acceptance and lambda) is the target's own probability of each draft token, p x mass (mass = the
+target's probability on the whole draft vocabulary): what vLLM accepts with, and SpecForge's LK form; KL
+and RKL keep the renormalised p. The divergences, per token:
 
 - `kl`   forward KL(p || q), computed as the soft cross-entropy -sum_v p_v log q_v (KL plus the teacher's
          entropy, which has no gradient): the objective every head trained with before there was a choice.
@@ -38,21 +41,24 @@ NLA_FLOOR = 1e-5  # -log alpha is capped at -log(1e-5) = 11.5 where the draft mi
 
 
 class Objective(NamedTuple):
-    """A weighted sum of divergences: terms ((name, weight), ...), and LK's eta."""
+    """A weighted sum of divergences: terms ((name, weight), ...), LK's eta, and whether alpha is taken on
+    the target's own probabilities of the draft tokens (`train.alpha_on=target`) or on the teacher
+    renormalised over the draft vocabulary."""
 
     terms: tuple[tuple[str, float], ...]
     eta: float = 3.0
+    alpha_on_target: bool = False
 
 
 KL = Objective((("kl", 1.0),))
 
 
-def parse_objective(spec: str, eta: float = 3.0) -> Objective:
+def parse_objective(spec: str, eta: float = 3.0, alpha_on: str = "draft_vocab") -> Objective:
     """`spec` a divergence name ("kl") or a weighted sum ("0.1*kl+0.9*tv": artifacts/config/checks.py loss_terms);
     ValueError naming what is wrong."""
     if not eta >= 0:
         raise ValueError(f"train.lk_eta={eta}: must be >= 0")
-    return Objective(loss_terms(spec), float(eta))
+    return Objective(loss_terms(spec), float(eta), alpha_on == "target")
 
 
 def acceptance(p_CV: Tensor, q_CV: Tensor) -> Tensor:
@@ -65,16 +71,21 @@ def log_probs(logits_CV: Tensor) -> Tensor:
     return torch.log_softmax(logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32)), dim=-1)
 
 
-def token_losses(objective: Objective, p_CV: Tensor, logq_CV: Tensor) -> Tensor:
+def token_losses(objective: Objective, p_CV: Tensor, logq_CV: Tensor, mass_C: Tensor | None = None) -> Tensor:
     """[C] the objective at each row: teacher rows p_CV (fp32, summing to 1) against the draft's
-    log-probabilities (`log_probs`); only the divergences it names are computed."""
+    log-probabilities (`log_probs`); only the divergences it names are computed. `mass_C`, the target's
+    probability on the draft vocabulary per row, is needed when `objective.alpha_on_target`."""
     names = {name for name, _ in objective.terms}
     values = {}
     if names & {"kl", "lk"}:
         values["kl"] = -(p_CV * logq_CV).sum(-1)
     if names - {"kl"}:
         q_CV = logq_CV.exp()
-        alpha_C = acceptance(p_CV, q_CV)
+        if objective.alpha_on_target and mass_C is None:
+            raise ValueError(
+                "alpha on the target's probabilities needs the teacher's mass on the draft vocabulary"
+            )
+        alpha_C = acceptance(p_CV * mass_C[:, None] if objective.alpha_on_target else p_CV, q_CV)
         values["tv"] = 1 - alpha_C
         if "nla" in names:
             values["nla"] = -torch.log(alpha_C.clamp(min=NLA_FLOOR))

@@ -70,6 +70,9 @@ class HeadConfig:
     # after it: D-PACE, train/objectives.py dpace_weights)
     position_weights: str = checked("decay", one_of("decay", "dpace"))
     dpace_a: float = checked(0.5, within(0, 1))  # D-PACE's floor a in c~ = (1 - a) c + a
+    # D-PACE's total: position (each position's weighted sum over its own count of predictions, summed) | all
+    # (every position's weighted sum over the count of all predictions: speculators, the D-PACE reference)
+    dpace_norm: str = checked("position", one_of("position", "all"))
     causal: bool = False  # DFlash: causal attention inside a block (default: bidirectional, as served)
     eagle1_noise: float = checked(0.1, NON_NEGATIVE)  # EAGLE-1: input features get U(-noise, noise)
     # EAGLE-1: weight of the soft cross-entropy next to SmoothL1
@@ -108,6 +111,10 @@ class TrainConfig:
         "kl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum (0.1*kl+0.9*tv)")
     )
     lk_eta: float = checked(3.0, NON_NEGATIVE)  # LK: lambda = exp(-lk_eta * alpha) per token
+    # the p of alpha in tv, nla and lk: draft_vocab (the teacher renormalised over the draft vocabulary, as
+    # speculators) | target (the target's own probabilities of the draft tokens, as vLLM accepts and SpecForge's
+    # LK; docs/recipe.md#temperature)
+    alpha_on: str = checked("draft_vocab", one_of("draft_vocab", "target"))
     # tokens per full-vocab teacher logits chunk (memory bound)
     teacher_chunk_size: int = checked(2048, POSITIVE)
     log_every: int = checked(10, POSITIVE)  # status line (and W&B point) every N optimizer steps

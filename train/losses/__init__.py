@@ -35,6 +35,7 @@ from train.losses.parallel import cod_anchors, parallel_forward, parallel_loss
 from train.losses.positions import (
     Anchors,
     Chains,
+    Dpace,
     chain_weights,
     depth_losses,
     depth_predictions,
@@ -66,6 +67,7 @@ __all__ = [
     "LOGIT_BUDGET_BYTES",
     "Anchors",
     "Blocks",
+    "Dpace",
     "Chains",
     "RowLosses",
     "Teacher",

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from heads.dflash import DFlashDraft
-from train.losses.positions import kept_first, row_generators, wanted_first, weighed_total
+from train.losses.positions import Dpace, kept_first, row_generators, wanted_first, weighed_total
 from train.losses.rows import batch_teacher, draft_rows, shift_left
 from train.objectives import KL, Objective
 
@@ -104,12 +104,12 @@ def block_loss(
     denominators: Tensor | None = None,
     blocks: Blocks | None = None,
     objective: Objective = KL,
-    dpace: float | None = None,
+    dpace: Dpace | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """total = sum_k weights[k] * loss_k over the block's K = block_size - 1 mask slots, loss_k the mean of
     the objective over slot k's predictions (`slot_predictions`; `blocks` None: `sample_blocks` of full
     blocks, 512 anchors); the batch and the metrics as `ttt_loss`'s, per slot (`chain_*_k`: the slots before
-    k all right, as vLLM accepts). With `dpace` = a, each prediction weighs its block's D-PACE weight
+    k all right, as vLLM accepts). With `dpace`, each prediction weighs its block's D-PACE weight
     instead of `weights` (`chain_weights`): a slot whose target token is outside the
     draft vocabulary counts as one the draft misses (c = 0)."""
     num_slots = model.config.block_size - 1

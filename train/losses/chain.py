@@ -20,7 +20,7 @@ from torch import Tensor
 
 from heads.attention import KVCache
 from heads.eagle3 import Eagle3Draft
-from train.losses.positions import depth_losses, depth_weights
+from train.losses.positions import Dpace, depth_losses, depth_weights
 from train.losses.rows import batch_teacher, shift_left
 from train.objectives import KL, Objective
 
@@ -52,10 +52,10 @@ def ttt_loss(
     chunk_size: int,
     denominators: torch.Tensor | None = None,
     objective: Objective = KL,
-    dpace: float | None = None,
+    dpace: Dpace | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """total = sum_k gamma^k loss_k over a right-padded batch (loss_k: `position_loss`, its denominators);
-    with `dpace` = a, sum_k loss_k, each prediction weighed by D-PACE over its anchor's chain of steps.
+    with `dpace`, sum_k loss_k, each prediction weighed by D-PACE over its anchor's chain of steps.
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
     optional attention_mask [B, T] (1 = real token; without it every position is real).

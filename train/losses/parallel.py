@@ -21,7 +21,7 @@ from torch import Tensor
 
 from heads.attention import KVCache
 from heads.eagle3 import Eagle3Draft
-from train.losses.positions import Anchors, depth_losses, depth_weights, kept_first, wanted_first
+from train.losses.positions import Anchors, Dpace, depth_losses, depth_weights, kept_first, wanted_first
 from train.losses.rows import batch_teacher, shift_left
 from train.objectives import KL, Objective
 
@@ -78,7 +78,7 @@ def parallel_loss(
     denominators: Tensor | None = None,
     anchors: list[Anchors | None] | None = None,
     objective: Objective = KL,
-    dpace: float | None = None,
+    dpace: Dpace | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """total = sum_d gamma^d loss_d over the K parallel depths, each the mean over its anchors (`anchors`,
     `cod_anchors`'; None: every anchor at every depth); the batch, metrics and `dpace` as `ttt_loss`'s."""

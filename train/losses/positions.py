@@ -63,6 +63,17 @@ def position_loss(
     return loss
 
 
+class Dpace(NamedTuple):
+    """D-PACE's settings: the floor a of `dpace_weights`, and `norm` how the weighted predictions make the
+    total: "position" sum_k S_k / N_k (each position's weighted sum over its own count), "all" sum_k S_k /
+    sum_k N_k (once over every prediction: speculators' loss_function, the D-PACE reference). The two are
+    equal up to the factor K for full chains; with fewer predictions at deeper positions (COD anchors,
+    DFlash's shorter blocks, chains cut by an answer's end) "position" weighs each of those N / N_k more."""
+
+    a: float = 0.5
+    norm: str = "position"
+
+
 class Anchors(NamedTuple):
     """The anchors one later P-EAGLE depth trains at (COD): `index_BM` positions per row, of which `keep_BM`
     are drawn (the rest pad the row to the batch's widest; they get no loss)."""
@@ -93,11 +104,11 @@ def depth_losses(
     weights: list[float],
     denominators: Tensor | None = None,
     anchors: list[Anchors | None] | None = None,
-    dpace: float | None = None,
+    dpace: Dpace | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """sum_k weights[k] * loss_k and the metrics, from each depth's pre-norm outputs (TTT steps or P-EAGLE
     depths); loss_k the mean of the objective over depth k's predictions (`position_loss`,
-    `depth_predictions`), each weighed by D-PACE over its anchor's chain with `dpace` = a (`chain_weights`).
+    `depth_predictions`), each weighed by D-PACE over its anchor's chain with `dpace` (`chain_weights`).
 
     outs[k] is [B, T, H] (every position an anchor) or, with anchors[k], [B, M, H] at anchors[k].index_BM.
     Depth k at anchor t predicts x_{t+2+k} against the target's distribution at t+1+k.
@@ -128,20 +139,25 @@ def weighed_total(
     positions: list[tuple[RowLosses, Tensor, tuple[Tensor, Tensor]]],
     weights: list[float],
     denominators: Tensor | None,
-    dpace: float | None,
+    dpace: Dpace | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """sum_k weights[k] * loss_k over a chain's positions and the metrics, the chains' acceptance counts
-    included (`Chains`); with `dpace` = a the weights are per prediction (`chain_weights`) and every
-    position's fixed weight is 1 (as `loss_weights` says for the logged total)."""
-    if dpace is not None:
-        weights = [1.0] * len(positions)
+    included (`Chains`); with `dpace` the weights are per prediction (`chain_weights`) and every
+    position's fixed weight is 1 (as `loss_weights` says for the logged total), or N_k / sum_j N_j under
+    `dpace.norm` "all" (N_k position k's count of predictions: the total is then once over all of them)."""
     total = torch.zeros((), device=positions[0][1].device)
     metrics: dict[str, Tensor] = {}
     chains = Chains()
     row_weights = chain_weights(positions, dpace)
+    counts = [eligible.sum() for _, eligible, _ in positions]
+    if dpace is not None:
+        weights = [1.0] * len(positions)
+        if dpace.norm == "all":
+            per_position = torch.stack(counts) if denominators is None else denominators[: len(positions)]
+            weights = list(per_position.float() / per_position.sum().clamp(min=1))
     for k, (rows, eligible, index) in enumerate(positions):
         chains.add(rows, eligible, index)
-        loss = position_loss(metrics, k, rows, eligible.sum(), denominators, row_weights[k])
+        loss = position_loss(metrics, k, rows, counts[k], denominators, row_weights[k])
         total = total + weights[k] * loss
     chains.record(metrics)
     return total, metrics
@@ -181,11 +197,11 @@ class Chains:
 
 
 def chain_weights(
-    positions: list[tuple[RowLosses, Tensor, tuple[Tensor, Tensor]]], dpace: float | None
+    positions: list[tuple[RowLosses, Tensor, tuple[Tensor, Tensor]]], dpace: Dpace | None
 ) -> list[Tensor | None]:
     """Each position's per-prediction weights (None each: no D-PACE), from every position's (rows, eligible
     layout, index into it) of one draft chain - a DFlash block's slots, an anchor's TTT steps or P-EAGLE
-    depths, laid out per anchor: with `dpace` = a, `dpace_weights` of the chain each prediction belongs to.
+    depths, laid out per anchor: with `dpace`, `dpace_weights` of the chain each prediction belongs to.
     A prediction whose target token lies outside the draft vocabulary has no row and counts as one the
     draft misses (c = 0)."""
     if dpace is None:
@@ -195,7 +211,7 @@ def chain_weights(
     flat = [index[0] * positions[0][1].shape[1] + index[1] for _, _, index in positions]
     for k, ((rows, _, _), at) in enumerate(zip(positions, flat)):
         ce_NK[at, k] = rows.target_ce.float()
-    weights_NK = dpace_weights(ce_NK, eligible_NK, dpace)
+    weights_NK = dpace_weights(ce_NK, eligible_NK, dpace.a)
     return [weights_NK[at, k] for k, at in enumerate(flat)]
 
 

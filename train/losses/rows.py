@@ -191,7 +191,7 @@ def objective_rows(
     logits_CVd = model.logits(out_CH)
     teacher_CVd = probs_NVd[rows_C]
     logq_CVd = log_probs(logits_CVd)
-    loss_C = token_losses(objective, teacher_CVd, logq_CVd)
+    loss_C = token_losses(objective, teacher_CVd, logq_CVd, mass_N[rows_C])
     estimate = estimating()
     with torch.no_grad():
         draft_C, target_C = logits_CVd.argmax(-1), teacher_CVd.argmax(-1)
