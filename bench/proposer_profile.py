@@ -1,0 +1,140 @@
+"""Where a round's time goes when vLLM drafts by sampling: the same head served at T=1 with vLLM's default
+greedy drafts and with `draft_sample_method=probabilistic`, compiled as served, one request at a time on the
+same prompts and seeds, sampled by py-spy (every process of the engine, native frames off) while it decodes.
+
+    python -m bench.proposer_profile --target ~/.cache/eagle-pipeline/SmolLM2-135M-Instruct \
+        --head runs/q_t1/export --kind peagle --k 3
+
+Prints one JSON line per method: tokens/s, mean acceptance length, and the sampled time of the process that runs
+the model split into the target's forward, the proposer (its forward; its sampling:
+`compute_probs_and_sample_next_token` for probabilistic drafts, the argmax for greedy ones) and the
+rejection sampler, as fractions of its busy samples and as ms per generated token. py-spy must be able to attach (ptrace); the raw stacks
+are kept in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.sampling_check import QUESTIONS
+
+# Buckets of the engine core's stacks, first match wins: (name, frames any of which puts a sample in it).
+BUCKETS = (
+    ("draft logits and sampling", ("compute_probs_and_sample_next_token", "_greedy_sample", "_sample_draft_tokens")),
+    ("rejection sampler", ("rejection_sample", "RejectionSampler")),
+    ("proposer forward", ("propose",)),
+    ("target sampler", ("sampler.py",)),
+    ("target forward", ("execute_model", "_model_forward")),
+)
+
+
+def bucket_of(stack: str) -> str:
+    for name, frames in BUCKETS:
+        if any(frame in stack for frame in frames):
+            return name
+    return "other"
+
+
+def split(raw: Path) -> dict[str, int]:
+    """Samples per bucket from py-spy's raw (collapsed) output of the process that runs the model (the
+    one with the most samples in `execute_model`: the engine core, or its worker under the MP executor),
+    idle frames left out."""
+    stacks: dict[str, list[tuple[str, int]]] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or "(idle)" in stack:
+            continue
+        stacks.setdefault(stack.split(";", 1)[0], []).append((stack, int(count)))
+
+    def model_samples(process: str) -> int:
+        return sum(n for stack, n in stacks[process] if "execute_model" in stack)
+
+    counts: dict[str, int] = {}
+    for stack, n in stacks[max(stacks, key=model_samples)] if stacks else []:
+        name = bucket_of(stack)
+        counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", required=True, help="the target's directory")
+    parser.add_argument("--head", type=Path, required=True, help="an export directory (export/main.py's)")
+    parser.add_argument("--kind", default="peagle", help="the head's kind (head.kind)")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the five chat prompts")
+    parser.add_argument("--out", type=Path, default=Path("runs/proposer_profile"))
+    args = parser.parse_args()
+
+    import vllm
+    from transformers import AutoTokenizer
+
+    from export.to_vllm import speculative_config
+    from heads.acceptance import AcceptanceCounts
+    from target.vllm import EngineSettings, running_llm
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = []
+    for question in QUESTIONS[1:]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    spy = Path(sys.executable).parent / "py-spy"
+    for method in ("greedy", "probabilistic"):
+        spec = {**speculative_config(args.kind, str(args.head), args.k), "draft_sample_method": method}
+        engine_args = {"max_model_len": 1024, "kv_cache_memory_bytes": 2**30}  # compiled, as served
+        settings = EngineSettings(args.target, spec, engine_args, "--target", dtype="bfloat16")
+        with running_llm(settings) as llm:
+
+            def decode(seed: int) -> int:
+                tokens = 0
+                for i, prompt in enumerate(prompts):  # one request at a time: concurrency 1
+                    params = vllm.SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=seed + i)
+                    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+                    tokens += len(out[0].outputs[0].token_ids)
+                return tokens
+
+            decode(10_000)  # warm-up: compiled graphs for every shape these requests take
+            before = AcceptanceCounts.from_vllm_metrics(llm.get_metrics())
+            raw = args.out / f"{method}.txt"
+            profiler = subprocess.Popen(
+                [str(spy), "record", "--pid", str(os.getpid()), "--subprocesses", "--format", "raw",
+                 "--rate", "200", "--output", str(raw), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            time.sleep(2)  # attached
+            start = time.perf_counter()
+            tokens = sum(decode(round_ * 100) for round_ in range(args.rounds))
+            seconds = time.perf_counter() - start
+            profiler.send_signal(2)  # SIGINT: py-spy writes what it sampled
+            profiler.wait(timeout=60)
+            counts = AcceptanceCounts.from_vllm_metrics(llm.get_metrics()) - before
+        samples = split(raw)
+        busy = sum(samples.values())
+        ms_per_token = 1000 * seconds / tokens
+        row = {
+            "draft_sample_method": method,
+            "tokens_per_s": round(tokens / seconds, 2),
+            "mean_acceptance_length": round(1 + counts.num_accepted_tokens / max(counts.num_drafts, 1), 3),
+            "engine_busy_samples": busy,
+            "split": {name: round(n / max(busy, 1), 3) for name, n in sorted(samples.items())},
+            "ms_per_token": {
+                name: round(ms_per_token * n / max(busy, 1), 2) for name, n in sorted(samples.items())
+            },
+        }
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
