@@ -26,7 +26,10 @@ from bench.sampling_check import QUESTIONS
 
 # Buckets of the engine core's stacks, first match wins: (name, frames any of which puts a sample in it).
 BUCKETS = (
-    ("draft logits and sampling", ("compute_probs_and_sample_next_token", "_greedy_sample", "_sample_draft_tokens")),
+    (
+        "draft logits and sampling",
+        ("compute_probs_and_sample_next_token", "_greedy_sample", "_sample_draft_tokens"),
+    ),
     ("rejection sampler", ("rejection_sample", "RejectionSampler")),
     ("proposer forward", ("propose",)),
     ("target sampler", ("sampler.py",)),
