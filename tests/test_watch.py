@@ -267,18 +267,18 @@ def test_exit_codes_never_read_as_a_verdict(tmp_path, head, results, subprocess_
                                 text=True)  # fmt: skip
 
     with Stub() as stub:
-        done = run(f"watch.url={stub.url}", "watch.z=inf")
-        assert done.wait(timeout=120) == 64
-        assert (
-            done.stderr.read().strip().splitlines()[-1].startswith("watch: watch.z=inf: must be in (0, 10]")
-        )
         bad = tmp_path / "truncated_results.json"
         bad.write_text(results.read_text()[:40])
-        done = run(f"watch.url={stub.url}", f"watch.results={bad}")
-        assert done.wait(timeout=120) == 64
-        line = done.stderr.read().strip().splitlines()[-1]
-        assert line.startswith(f"watch: {bad}: not readable eval results") and "Traceback" not in line
+        # The three watches start together (each spends its first seconds importing).
+        bad_setting = run(f"watch.url={stub.url}", "watch.z=inf")
+        bad_record = run(f"watch.url={stub.url}", f"watch.results={bad}")
         watching = run(f"watch.url={stub.url}", "watch.interval_s=0.2")
+        assert bad_setting.wait(timeout=120) == 64
+        line = bad_setting.stderr.read().strip().splitlines()[-1]
+        assert line.startswith("watch: watch.z=inf: must be in (0, 10]")
+        assert bad_record.wait(timeout=120) == 64
+        line = bad_record.stderr.read().strip().splitlines()[-1]
+        assert line.startswith(f"watch: {bad}: not readable eval results") and "Traceback" not in line
         timeline = head.parent / "watch" / "timeline.jsonl"
         deadline = time.monotonic() + 120
         while not timeline.exists() and time.monotonic() < deadline and watching.poll() is None:
