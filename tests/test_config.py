@@ -244,7 +244,7 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
         ("train.lk_eta=-1", "train.lk_eta=-1.0: must be >= 0"),
         ("head.position_weights=pace", "head.position_weights=pace: must be one of decay, dpace"),
         ("head.dpace_norm=token", "head.dpace_norm=token: must be one of position, all"),
-        ("train.alpha_on=full", "train.alpha_on=full: must be one of draft_vocab, target"),
+        ("train.alpha_on=full", "train.alpha_on=full: must be one of target, draft_vocab"),
         (
             "eval.temperature=[-1]",
             "eval.temperature=[-1.0]: must be a non-empty list of distinct values in [0, 2]",
