@@ -7,7 +7,7 @@ process of the engine, native frames off) for where the time goes.
         --head runs/q_t1/export --kind peagle --k 3
 
 Prints one JSON line per method: tokens/s and ms per token (unprofiled), mean acceptance length, and the
-busy samples of the process that runs the model split into the target's forward, the proposer (the head's
+busy samples of the process that runs the model split into the target's forward, its lm_head, the proposer (the head's
 forward and inputs; its logits and sampling: `compute_probs_and_sample_next_token` for probabilistic
 drafts, the argmax for greedy ones), the rejection sampler, the target's sampler and the rest of the model
 runner, as fractions and as ms of a generated token. py-spy must be able to attach (ptrace); the raw stacks
@@ -35,7 +35,8 @@ BUCKETS = (
     ("proposer (head forward, its inputs)", ("propose_draft_token_ids",)),
     ("rejection sampler", ("RejectionSampler.forward", "rejection_sample")),
     ("target sampler", ("Sampler.forward",)),
-    ("target forward (its lm_head too)", ("_model_forward",)),
+    ("target lm_head (full vocabulary)", ("LlamaForCausalLM.compute_logits", "LogitsProcessor")),
+    ("target forward", ("_model_forward",)),
     ("model runner, rest", ("execute_model", "sample_tokens")),
 )
 # Frames of a process waiting for work (vLLM's shared-memory queue spins): not busy.

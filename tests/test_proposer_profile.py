@@ -24,12 +24,14 @@ def test_the_model_process_samples_are_split_by_stage(tmp_path):
                 "GPUModelRunner.propose_draft_token_ids (gpu_model_runner.py:9);Eagle3LlamaForCausalLM.forward (e.py:8) 20",
                 f"{RUNNER};GPUModelRunner._sample (gpu_model_runner.py:9);RejectionSampler.forward (rs.py:10) 5",
                 f"{RUNNER};GPUModelRunner._prepare_inputs (gpu_model_runner.py:11) 4",
+                f"{RUNNER};LlamaForCausalLM.compute_logits (llama.py:12);LogitsProcessor.forward (lp.py:1) 12",
                 f"{WORKER};MessageQueue.dequeue (shm.py:1);MessageQueue.acquire_read (shm.py:2) 99",  # waiting
             ]
         )
     )
     assert split(raw) == {
-        "target forward (its lm_head too)": 60,
+        "target forward": 60,
+        "target lm_head (full vocabulary)": 12,
         "draft logits and sampling": 15,
         "proposer (head forward, its inputs)": 20,
         "rejection sampler": 5,
