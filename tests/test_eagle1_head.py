@@ -262,6 +262,20 @@ def test_chunked_teacher_equals_unchunked():
     assert results[-1][2].abs().sum() > 0
 
 
+def test_alpha_objectives_on_the_full_vocabulary_need_no_renormalising():
+    """EAGLE-1 trains against the target's whole distribution (its mass 1): an alpha objective gives the same
+    loss whichever p `train.alpha_on` names."""
+    from train.objectives import parse_objective
+
+    cfg = tiny_config()
+    batch = random_batch(cfg)
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size) / 3
+    model = random_draft(cfg)
+    objectives = [parse_objective("nla", alpha_on=on) for on in ("target", "draft_vocab")]
+    totals = [eagle1_loss(model, batch, lm_head, 4, add_noise=False, objective=o)[0] for o in objectives]
+    torch.testing.assert_close(totals[0], totals[1])
+
+
 def test_noise_is_bounded_and_reproducible():
     features = torch.randn(4, 50, 16)
     noisy = add_feature_noise(features, 0.1, torch.Generator().manual_seed(3))

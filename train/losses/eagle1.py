@@ -53,7 +53,9 @@ def full_vocab_rows(
     teacher_CV = torch.softmax(target_logits(true_CH, target_lm_head_VH), -1)
     logits_CV = (pred_CH.to(target_lm_head_VH.dtype) @ target_lm_head_VH.T).float()
     logq_CV = log_probs(logits_CV)
-    loss_sum = token_losses(objective, teacher_CV, logq_CV).sum()
+    # The teacher is the target's whole distribution: its mass on the vocabulary drafted is 1.
+    mass_C = torch.ones(teacher_CV.shape[0], device=teacher_CV.device)
+    loss_sum = token_losses(objective, teacher_CV, logq_CV, mass_C).sum()
     estimate = estimating()
     with torch.no_grad():
         draft_C = logits_CV.argmax(-1)
