@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sampling_check import QUESTIONS
+from bench.sampling_check import QUESTIONS, chat_prompt_ids
 
 # Buckets of the model process's busy stacks, first match wins: (name, frames any of which puts a sample in it).
 BUCKETS = (
@@ -90,20 +90,13 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm
-    from transformers import AutoTokenizer
 
     from export.to_vllm import speculative_config
     from heads.acceptance import AcceptanceCounts
     from target.vllm import EngineSettings, running_llm
 
     args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts = []
-    for question in QUESTIONS[1:]:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-        )
-        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    prompts = chat_prompt_ids(args.target, QUESTIONS[1:])
     spy = Path(sys.executable).parent / "py-spy"
     for method in ("baseline", "greedy", "probabilistic"):
         spec = None

@@ -32,6 +32,20 @@ QUESTIONS = [
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
+def chat_prompt_ids(target: str, questions: list[str]) -> list[list[int]]:
+    """Each question as one user turn through the target's chat template, ready to generate from."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = []
+    for question in questions:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    return prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -43,19 +57,12 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm
-    from transformers import AutoTokenizer
 
     from export.to_vllm import speculative_config
     from heads.acceptance import AcceptanceCounts
     from target.vllm import EngineSettings, running_llm
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts = []
-    for question in QUESTIONS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-        )
-        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    prompts = chat_prompt_ids(args.target, QUESTIONS)
     configs = {"baseline": None, "ngram k=3": NGRAM}
     if args.head is not None:
         configs["head k=2"] = speculative_config(args.kind, str(args.head), 2)
