@@ -95,6 +95,10 @@ def main() -> None:
     from heads.acceptance import AcceptanceCounts
     from target.vllm import EngineSettings, running_llm
 
+    if args.out.exists() and any(args.out.iterdir()):
+        parser.error(
+            f"--out {args.out} is not empty: name a new directory (its raw stacks would be replaced)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = chat_prompt_ids(args.target, QUESTIONS[1:])
     spy = Path(sys.executable).parent / "py-spy"
