@@ -28,36 +28,91 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The agent smoke target (`target.build=smoke_agent`): the same tiny Llama with a thinking-and-tools template
+# of this project's own, built on Qwen3's structure: tool schemas in the system turn, answers after the last
+# user turn rendered with their reasoning in <think></think> (earlier ones without), tool calls as JSON in
+# <tool_call></tool_call> (vLLM's `hermes` tool parser reads them), tool results grouped in a user turn,
+# and `enable_thinking=false` opening the answer with an empty <think> block.
+AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+AGENT_DATA = Path(__file__).parent / "smoke_data" / "agent_conversations.jsonl"
+AGENT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if tools or messages[0].role == 'system' -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' -%}{{ messages[0].content }}{%- if tools -%}{{ '\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- if tools -%}{{ 'You may call these tools, each call a JSON object in <tool_call></tool_call>:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}{{ '\\n</tools>' }}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{{ '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}"
+    "{%- set content = m.content or '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}"
+    "{%- set content = content.split('</think>')[-1] -%}"
+    "{%- endif -%}"
+    "{%- set content = content.strip('\\n') -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_user -%}{{ '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif -%}"
+    "{{ content }}"
+    "{%- for call in m.tool_calls or [] -%}"
+    "{%- if content or not loop.first -%}{{ '\\n' }}{%- endif -%}"
+    "{{ '<tool_call>\\n' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson)"
+    " + '\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
 VOCAB_SIZE = 1024
 LOGIT_SCALE = 20.0
 
 
-def smoke_texts() -> list[str]:
-    """Every message of the shipped smoke conversations: the tokenizer's training text."""
+def smoke_texts(agent: bool = False) -> list[str]:
+    """Every message of the shipped smoke conversations (and, for the agent target, of the agentic ones,
+    their tool calls and schemas as JSON): the tokenizer's training text."""
     texts = []
     for line in SMOKE_DATA.read_text(encoding="utf-8").splitlines():
         texts += [turn["value"] for turn in json.loads(line)["conversations"]]
+    if agent:
+        for line in AGENT_DATA.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            texts += [json.dumps(tool) for tool in record.get("tools", [])]
+            texts += [json.dumps(message, ensure_ascii=False) for message in record["messages"]]
     return texts
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the smoke conversations, GPT-2 style, with ChatML special tokens."""
+def build_tokenizer(agent: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the smoke conversations, GPT-2 style, with ChatML special tokens (and, for
+    the agent target, its thinking and tool tokens and template)."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (AGENT_TOKENS if agent else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(smoke_texts(), trainer=trainer)
+    bpe.train_from_iterator(smoke_texts(agent), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         bos_token=None,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=AGENT_TEMPLATE if agent else CHATML_TEMPLATE,
         model_max_length=2048,
     )
 
@@ -84,12 +139,13 @@ def smoke_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> Llama
     )
 
 
-def build_smoke_target(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the smoke target to `out_dir` (once: an existing complete build is reused)."""
+def build_smoke_target(out_dir: str | Path, seed: int = 0, agent: bool = False) -> Path:
+    """Write the smoke target to `out_dir` (once: an existing complete build is reused); `agent`: the
+    agent smoke target (its thinking-and-tools template and tokens)."""
     out_dir = Path(out_dir)
     if (out_dir / DONE_MARKER).exists():
         return out_dir
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(agent)
     config = smoke_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()

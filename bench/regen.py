@@ -26,7 +26,7 @@ from artifacts.config import compose
 from data_prep.capture import capture_engine, capture_layers
 from data_prep.main import build_embedded_target
 from data_prep.regenerate import start_engine, token_prompts
-from data_prep.render import render_conversation
+from data_prep.render import render_prompt
 from data_prep.sources import load_conversations
 from target.model import load_config, load_tokenizer, resolve_aux_layer_ids, target_dir
 from target.reaper import leash
@@ -52,7 +52,7 @@ def main() -> None:
     prompts = []
     for conv in load_conversations(cfg.data).conversations:
         question = [next(m for m in conv.messages if m["role"] == "user")]
-        ids = render_conversation(tokenizer, conv.id, question, True).input_ids
+        ids = render_prompt(tokenizer, conv.id, question).input_ids
         if len(ids) + args.max_tokens <= limit:
             prompts.append(ids)
         if len(prompts) == args.num_prompts:

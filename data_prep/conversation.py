@@ -1,26 +1,36 @@
 """Turn one raw record into a `Conversation`: read its turns, map the roles, check the shape.
 
-`extract_turns` reads a ShareGPT (`conversations: [{from, value}]`), OpenAI (`messages: [{role, content}]`)
-or custom-field record; `normalize_messages` maps its roles and keeps it only when it is shaped
-`[system] user assistant (user assistant)*`, the shape the chat template and the loss mask expect. A
-record that cannot be used raises `SkippedRecord` with the reason `data_prep/sources.py` counts it under.
+`extract_turns` reads a ShareGPT (`conversations: [{from, value}]`), OpenAI (`messages: [{role, content}]`,
+as OpenAI-compatible servers log requests: assistant `tool_calls`, `tool` results, reasoning fields) or
+custom-field record; `normalize_messages` maps its roles and keeps it only when it is shaped as a chat the
+template and the loss mask expect: `[system] user` then assistant turns, each answered by the user or, after
+a tool call, by that call's `tool` results. A record that cannot be used raises `SkippedRecord` with the
+reason `data_prep/sources.py` counts it under.
+
+A kept message is `{"role", "content"}` with, where the record has them, `reasoning_content` (from
+`reasoning_content`, `reasoning` or `thinking`), `tool_calls` (`[{"type": "function", "function": {"name",
+"arguments": {...}}, "id"?}]`, arguments parsed from their JSON string as vLLM parses them before
+rendering), `tool_call_id` and `name`. The request's `tools` (function schemas) stay on the conversation.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from artifacts.config import DataConfig, DataSourceConfig
 from artifacts.prompts import NonTextContent, content_text
 
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # how servers and datasets name it
+
 
 @dataclass
 class Conversation:
     id: str  # `id_field` of the record, else a hash of the messages; `name/` first in a mix; unique in a load
-    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]
+    tools: list[dict] | None = field(default=None)  # the request's function schemas, passed as `tools=`
 
 
 class SkippedRecord(Exception):
@@ -31,8 +41,9 @@ class SkippedRecord(Exception):
         self.reason = reason
 
 
-def extract_turns(record: Any, cfg: DataConfig | DataSourceConfig) -> list[tuple[Any, Any]]:
-    """The record's turns as (source role, content) pairs, read with the keys of its format."""
+def extract_turns(record: Any, cfg: DataConfig | DataSourceConfig) -> list[tuple[Any, Any, dict]]:
+    """The record's turns as (source role, content, the turn itself) triples, read with the keys of its
+    format (the turn, for the fields of a tool call or its result)."""
     if not isinstance(record, dict):
         raise SkippedRecord("malformed_record")
     if cfg.format == "sharegpt":
@@ -61,64 +72,179 @@ def extract_turns(record: Any, cfg: DataConfig | DataSourceConfig) -> list[tuple
         else:
             role_key, content_key = cfg.role_field, cfg.content_field
 
-    pairs = []
+    triples = []
     for turn in turns:
-        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+        if not isinstance(turn, dict) or role_key not in turn:
             raise SkippedRecord("malformed_record")
-        pairs.append((turn[role_key], turn[content_key]))
-    return pairs
+        # OpenAI logs an assistant turn that only calls tools with `content: null` (or none at all).
+        if content_key not in turn and not (turn.get("tool_calls") or turn.get("function_call")):
+            raise SkippedRecord("malformed_record")
+        triples.append((turn[role_key], turn.get(content_key), turn))
+    return triples
+
+
+def record_tools(record: Any) -> list[dict] | None:
+    """The request's `tools` (OpenAI function schemas, or bare functions), as a list; None without."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools is None or tools == []:
+        return None
+    if isinstance(tools, str):  # some dumps store the list as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise SkippedRecord("malformed_tools") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise SkippedRecord("malformed_tools")
+    return [t if "function" in t else {"type": "function", "function": t} for t in tools]
+
+
+def normalize_tool_calls(turn: dict) -> list[dict] | None:
+    """A turn's `tool_calls` (or legacy `function_call`) as `[{"type": "function", "function": {"name",
+    "arguments": dict}}]` (with the call's `id` when logged); None without any."""
+    calls = turn.get("tool_calls")
+    if not calls and isinstance(turn.get("function_call"), dict):
+        calls = [{"type": "function", "function": turn["function_call"]}]
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        raise SkippedRecord("malformed_tool_call")
+    normalized = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise SkippedRecord("malformed_tool_call")
+        if call.get("type", "function") != "function":
+            raise SkippedRecord("malformed_tool_call")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:  # vLLM parses the logged JSON string before rendering; the template dumps it again
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise SkippedRecord("malformed_tool_arguments") from None
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise SkippedRecord("malformed_tool_arguments")
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if call.get("id") is not None:
+            entry["id"] = str(call["id"])
+        normalized.append(entry)
+    return normalized
+
+
+def message_of(role: str, content: Any, turn: dict) -> dict:
+    """One turn as a kept message (the module's docstring says which fields)."""
+    try:
+        text = content_text(content)  # a string, or OpenAI text parts joined
+    except NonTextContent:
+        raise SkippedRecord("non_text_content") from None
+    calls = normalize_tool_calls(turn) if role == "assistant" else None
+    if text is None and content is None and calls:
+        text = ""  # an assistant turn that only calls tools
+    if text is None:
+        raise SkippedRecord("malformed_record")
+    message = {"role": role, "content": text}
+    if role == "assistant":
+        reasoning = next((turn[k] for k in REASONING_FIELDS if turn.get(k) is not None), None)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise SkippedRecord("malformed_record")
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+    if role == "tool":
+        if turn.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(turn["tool_call_id"])
+        if isinstance(turn.get("name"), str):
+            message["name"] = turn["name"]
+    return message
+
+
+def answered(message: dict) -> bool:
+    """Whether an assistant message says anything: text, reasoning or a tool call."""
+    return bool(
+        message["content"].strip()
+        or message.get("reasoning_content", "").strip()
+        or message.get("tool_calls")
+    )
 
 
 def normalize_messages(
-    turns: list[tuple[Any, Any]],
+    turns: list[tuple[Any, Any, dict]],
     role_map: dict[str, str],
     system_prompt: str | None,
     max_turns: int | None = None,
-) -> list[dict[str, str]]:
-    """Map roles, check `[system] user assistant (user assistant)*`, drop orphan leading answers and an
-    unanswered last question, keep the first `max_turns` exchanges."""
+) -> list[dict]:
+    """Map roles and check the shape: after `[system]`, a user turn, then assistant turns each followed by
+    the user or - having called tools - by `tool` results (one per call, in any order), which the assistant
+    or the user follows. Drop orphan leading answers and trailing turns no answer follows, keep the first
+    `max_turns` exchanges (an exchange: a user turn and all that follows it up to the next one)."""
     messages = []
-    for source_role, content in turns:
+    for source_role, content, turn in turns:
         if not isinstance(source_role, str):
             raise SkippedRecord("malformed_record")
         role = role_map.get(source_role.strip().lower())
         if role is None:
             raise SkippedRecord("unknown_role")
-        try:
-            text = content_text(content)  # a string, or OpenAI text parts joined
-        except NonTextContent:
-            raise SkippedRecord("non_text_content") from None
-        if text is None:
-            raise SkippedRecord("malformed_record")
-        messages.append({"role": role, "content": text})
+        messages.append(message_of(role, content, turn))
 
     system = messages[:1] if messages[0]["role"] == "system" else []
     after_system = messages[len(system) :]
     # ShareGPT dumps often begin with an answer whose question was cut off (about a third of ShareGPT
     # V3): that answer has no prompt to condition on, so it is dropped and the rest is kept.
-    while after_system and after_system[0]["role"] == "assistant":
+    while after_system and after_system[0]["role"] in ("assistant", "tool"):
         after_system = after_system[1:]
-    messages = system + after_system
     if not after_system:
         raise SkippedRecord("no_assistant_turn")
-    for index, message in enumerate(after_system):
-        if message["role"] != ("user" if index % 2 == 0 else "assistant"):
-            raise SkippedRecord("not_alternating")
+    check_order(after_system)
     if max_turns is not None:
-        messages = messages[: len(system) + 2 * max_turns]
-    if messages[-1]["role"] == "user":
-        messages.pop()  # a question with no answer gives the draft nothing to learn
+        users = [i for i, m in enumerate(after_system) if m["role"] == "user"]
+        if len(users) > max_turns:
+            after_system = after_system[: users[max_turns]]
+    while after_system and after_system[-1]["role"] != "assistant":
+        after_system.pop()  # a question or a tool result with no answer gives the draft nothing to learn
+    messages = system + after_system
     assistant_turns = [message for message in messages if message["role"] == "assistant"]
     if not assistant_turns:
         raise SkippedRecord("no_assistant_turn")
-    if any(not message["content"].strip() for message in assistant_turns):
+    if not all(answered(message) for message in assistant_turns):
         raise SkippedRecord("empty_assistant_turn")
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
 
 
-def record_id(record: dict, messages: list[dict[str, str]], id_field: str | None) -> str:
+def check_order(messages: list[dict]) -> None:
+    """The turn order after the system message (see normalize_messages); raises SkippedRecord."""
+    previous = None
+    pending: list[str | None] = []  # the ids of the calls the last assistant made that no result answered
+    for message in messages:
+        role = message["role"]
+        if role == "system":
+            raise SkippedRecord("not_alternating")
+        if role == "tool":
+            if previous not in ("assistant", "tool") or previous == "assistant" and not pending:
+                raise SkippedRecord("orphan_tool_result")
+            call_id = message.get("tool_call_id")
+            if call_id is not None and pending and all(p is not None for p in pending):
+                if call_id not in pending:
+                    raise SkippedRecord("unmatched_tool_result")
+                pending.remove(call_id)
+            elif pending:
+                pending.pop(0)
+            else:
+                raise SkippedRecord("orphan_tool_result")  # more results than calls
+        elif role == "assistant":
+            if previous not in ("user", "tool") or pending:
+                raise SkippedRecord("not_alternating")
+            pending = [call.get("id") for call in message.get("tool_calls", [])]
+        else:  # user
+            if previous == "user" or pending:
+                raise SkippedRecord("not_alternating")
+        previous = role
+
+
+def record_id(record: dict, messages: list[dict], id_field: str | None) -> str:
     value = record.get(id_field) if id_field else None
     if value is not None and str(value).strip():
         return str(value)

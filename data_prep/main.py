@@ -43,7 +43,7 @@ from data_prep.capture import (
 )
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
 from data_prep.regenerate import answer_samples, regen_settings, regenerate_rank_share
-from data_prep.render import render_all
+from data_prep.render import chat_template_kwargs, render_all
 from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging
 from target.model import (
@@ -101,7 +101,7 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
         # regeneration writes each chunk's)
         "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
-    }
+    } | ({"chat_template_kwargs": chat_template_kwargs(cfg)} if chat_template_kwargs(cfg) else {})
 
 
 def cache_is_complete(cache_dir: Path) -> bool:
@@ -209,6 +209,7 @@ def run(cfg: DictConfig) -> dict:
                 cache_dir / "regenerated",
                 accelerator,
                 chunks,
+                chat_template_kwargs(cfg),
             )
         log.info("regenerated answers with the target: %s", regen_record)
 
@@ -227,7 +228,11 @@ def run(cfg: DictConfig) -> dict:
     else:
         for split in SPLITS:
             samples[split], split_skipped, truncated = render_all(
-                tokenizer, split_convs[split], cfg.render.max_length, cfg.render.overlong
+                tokenizer,
+                split_convs[split],
+                cfg.render.max_length,
+                cfg.render.overlong,
+                chat_template_kwargs(cfg),
             )
             skipped.update(split_skipped)
             num_truncated += truncated
@@ -364,7 +369,8 @@ def states_source(cfg, accelerator, run_dir, cache_dir, tokenizer, layers, aux_l
 
 
 def write_eval_conversations(path: Path, conversations) -> None:
-    lines = [json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False) for c in conversations]
+    lines = [json.dumps({"id": c.id, "messages": c.messages, **({"tools": c.tools} if c.tools else {})},
+                        ensure_ascii=False) for c in conversations]  # fmt: skip
     atomic.write_bytes_if_changed(path, "".join(line + "\n" for line in lines).encode("utf-8"))
 
 

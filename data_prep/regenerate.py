@@ -17,7 +17,9 @@ from pathlib import Path
 
 from artifacts import atomic
 from artifacts.cache import file_sha256
-from data_prep.render import render_conversation
+from data_prep.conversation import answered
+from data_prep.render import render_prompt
+from target.answers import AnswerReader, tool_calls_of
 from target.vllm import EngineSettings, running_llm
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,10 @@ def regen_settings(cfg) -> dict:
             "include_greedy": cfg.include_greedy,
             "seeds": "per_request",
         }
+    # How answers are read and whether the target reasons (only where set: older caches keep their identity)
+    for key, default in (("reasoning", "keep"), ("tool_parser", None), ("reasoning_parser", None)):
+        if getattr(cfg, key, default) != default:
+            settings[key] = getattr(cfg, key)
     return settings
 
 
@@ -47,7 +53,8 @@ def answer_samples(conversations: list, cfg) -> list:
     n = cfg.samples_per_prompt
     if n == 1:
         return conversations
-    return [type(c)(id=f"{c.id}#{j}", messages=c.messages) for c in conversations for j in range(n)]
+    return [type(c)(id=f"{c.id}#{j}", messages=c.messages, tools=getattr(c, "tools", None))
+            for c in conversations for j in range(n)]  # fmt: skip
 
 
 def sampling_params(cfg, conversation_id: str, turn: int):
@@ -76,43 +83,97 @@ def start_engine(target_path: str, cfg, device_index: int | None = None):
     return running_llm(settings, (device_index, 1))
 
 
-def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, sink=None):
+def conversation_steps(messages: list[dict]) -> list[tuple[list[dict], dict]]:
+    """Per assistant turn: the messages that come before it and after the answer before it (the system
+    message and a user turn, or the tool results it answers), and the logged answer."""
+    steps, inputs = [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            steps.append((inputs, message))
+            inputs = []
+        else:
+            inputs.append(message)
+    return steps
+
+
+def check_tool_parser(conversations, cfg) -> None:
+    """Regenerating a conversation with tools needs the server's tool-call parser, to read a regenerated call
+    and compare it with the logged one."""
+    with_tools = next((c.id for c in conversations if getattr(c, "tools", None)
+                       or any(m.get("tool_calls") for m in c.messages)), None)  # fmt: skip
+    if with_tools is not None and not getattr(cfg, "tool_parser", None):
+        raise ValueError(
+            f"conversation {with_tools!r} has tools or tool calls: set regen.tool_parser to the parser the "
+            "target is served with (`vllm serve --tool-call-parser`, e.g. hermes for Qwen3 and Hermes-style "
+            "templates), so that regenerated tool calls are read as the server reads them"
+        )
+
+
+def regenerate_conversations(
+    llm, tokenizer, conversations, cfg, capture=None, sink=None, template_kwargs=None
+):
     """New conversations whose assistant turns are the target's answers, and counts of what happened.
 
-    Each turn's prompt is rendered here with the target's chat template (data_prep/render.py) and sent as
-    token ids, so the engine reads exactly the tokens the cache will hold. A conversation is cut before the
-    first turn the target answers with nothing, or whose prompt does not fit the engine's `max_model_len`
-    (and dropped if that is its first answer): an empty answer teaches the draft nothing.
+    Each turn's prompt is the history so far (the target's earlier answers, as the server renders them) and
+    the logged messages that led to the turn (a user turn, or the results of the calls it answers), rendered
+    here with the target's chat template, its tools and `template_kwargs` (data_prep/render.py), and sent
+    as token ids, so the engine reads exactly the tokens the cache will hold. The answer is read as the
+    server reads it (target/answers.py: `regen.reasoning_parser`, `regen.tool_parser`). A conversation
+    ends after a regenerated turn whose tool calls differ from the logged ones (`tool_call_diverged`: the
+    logged results no longer answer them); it is cut before the first turn the target answers with nothing,
+    or whose prompt does not fit the engine's `max_model_len` (and dropped if that is its first answer).
 
-    `capture` (a target/capture.CaptureEngine whose engine is `llm`): the states of every conversation are
-    captured in the same pass, from the request of its last answered turn, which holds every earlier turn as
-    its prompt. Each conversation kept then goes to `sink` as one sample, as soon as its states are read:
-    its tokens (that prompt and the answer's tokens but the last, which no forward pass reads), its loss
-    mask (the earlier answers and this one), its aux and final states and the regenerated conversation.
+    `capture` (a target/capture.CaptureEngine whose engine is `llm`): the states are captured in the same
+    pass. A turn's request holds the earlier answers as they were generated while the template keeps
+    history (its prompt's mask has them); then only the conversation's last request is kept, else each
+    request whose answers the next one rewrites is a sample of its own (`<id>/turn<n>`, as render_samples
+    names them). Each goes to `sink` as soon as its states are read: its tokens (the prompt and the answer's
+    tokens but the last, which no forward pass reads), its loss mask, its aux and final states and the
+    regenerated conversation.
     """
+    check_tool_parser(conversations, cfg)
+    reader = AnswerReader(
+        tokenizer, getattr(cfg, "tool_parser", None), getattr(cfg, "reasoning_parser", None), template_kwargs
+    )
     max_model_len = llm.llm_engine.model_config.max_model_len
     counts = Counter()
-    # Each conversation as its system/user turns; answers are filled in round by round.
-    users = [[m for m in c.messages if m["role"] != "assistant"] for c in conversations]
-    num_answers = [sum(m["role"] == "assistant" for m in c.messages) for c in conversations]
-    history = [[m for m in u if m["role"] == "system"] for u in users]
-    questions = [[m for m in u if m["role"] == "user"] for u in users]
-    alive = [n > 0 for n in num_answers]
-    last = {}  # conversation -> (its prompt, the output) of its last answered turn, while capturing
+    steps = [conversation_steps(c.messages) for c in conversations]
+    history = [[] for _ in conversations]
+    alive = [bool(s) for s in steps]
+    diverged = [False] * len(conversations)
+    last = {}  # conversation -> (its prompt, the output, its number of answers) of its last answered turn
+    num_own = Counter()  # conversation -> the samples it sent to `sink` before its last
+
+    def emit(i: int) -> None:
+        prompt, output, turn = last.pop(i)
+        conv = conversations[i]
+        answer = list(output.outputs[0].token_ids)[:-1]
+        ids = prompt.input_ids + answer
+        split_id = f"{conv.id}/turn{turn}" if num_own[i] or alive[i] else conv.id
+        aux, final = capture.states(output, ids, f"conversation {conv.id!r}")
+        done = type(conv)(id=conv.id, messages=history[i], tools=getattr(conv, "tools", None))
+        sink({"id": split_id, "input_ids": ids, "loss_mask": prompt.loss_mask + [1] * len(answer),
+              "aux_hidden": aux, "final_hidden": final, "conversation": done})  # fmt: skip
+        num_own[i] += 1
+
     try:
-        for turn in range(max(num_answers, default=0)):
-            batch, prompts = [], []
+        for turn in range(max(map(len, steps), default=0)):
+            batch, prompts, requests = [], [], {}
             for i, conv in enumerate(conversations):
-                if not (alive[i] and turn < num_answers[i]):
+                if not (alive[i] and turn < len(steps[i])):
                     continue
+                messages = history[i] + steps[i][turn][0]
                 try:
-                    prompt = render_conversation(tokenizer, conv.id, history[i] + [questions[i][turn]], True)
+                    prompt = render_prompt(tokenizer, conv.id, messages, getattr(conv, "tools", None),
+                                           template_kwargs)  # fmt: skip
                 except Exception as error:  # a template may reject a record: skip it, as render_all does
                     log.warning("conversation %s: cannot render turn %d with the chat template: %s",
                                 conv.id, turn + 1, error)  # fmt: skip
                     counts["template_error"] += 1
                     alive[i], history[i] = False, []  # dropped whole: its earlier answers were rendered
-                    continue  # in a context this turn's template rejects
+                    if i in last:  # in a context this turn's template rejects
+                        capture.discard(last.pop(i)[1])
+                    continue
                 # vLLM refuses a whole call over one prompt longer than the engine: leave those out here.
                 if len(prompt.input_ids) >= max_model_len:
                     counts["prompt_too_long"] += 1
@@ -120,6 +181,7 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, s
                     continue
                 batch.append(i)
                 prompts.append(prompt)
+                requests[i] = messages
             if not batch:
                 break
             params = [sampling_params(cfg, conversations[i].id, turn) for i in batch]
@@ -130,37 +192,44 @@ def regenerate_conversations(llm, tokenizer, conversations, cfg, capture=None, s
             for i, prompt, output in zip(batch, prompts, outputs):
                 completion = output.outputs[0]
                 counts[f"finish_{completion.finish_reason}"] += 1
-                if not completion.text.strip():
+                answer = reader.message(completion.text, getattr(conversations[i], "tools", None))
+                if not answered(answer):
                     counts["empty_answer"] += 1
                     alive[i] = False
                     if capture is not None:
                         capture.discard(output)
                     continue
-                history[i] = history[i] + [
-                    questions[i][turn],
-                    {"role": "assistant", "content": completion.text},
-                ]
+                logged = steps[i][turn][1]
+                if tool_calls_of(answer) != tool_calls_of(logged):
+                    counts["tool_call_diverged"] += 1
+                    diverged[i] = True
+                elif answer.get("tool_calls"):  # the same calls: keep their ids, which the results name
+                    answer["tool_calls"] = [{**new, **({"id": old["id"]} if "id" in old else {})}
+                                            for new, old in zip(answer["tool_calls"], logged["tool_calls"])]  # fmt: skip
+                counts["tool_calls_regenerated"] += len(answer.get("tool_calls") or [])
+                history[i] = requests[i] + [answer]
                 if capture is not None:
                     if i in last:
-                        capture.discard(last[i][1])  # superseded: this turn's request holds that one's tokens
-                    last[i] = (prompt, output)
+                        if any(prompt.loss_mask):  # this request holds that one's answers as generated
+                            capture.discard(last.pop(i)[1])
+                        else:  # the template rewrote them: that request is a sample of its own
+                            emit(i)
+                    last[i] = (prompt, output, turn + 1)
+                alive[i] = alive[i] and not diverged[i]
 
         regenerated = []
         for i, (conv, messages, ok) in enumerate(zip(conversations, history, alive)):
             if not any(m["role"] == "assistant" for m in messages):
                 counts["conversations_dropped"] += 1
                 continue
-            regenerated.append(type(conv)(id=conv.id, messages=messages))
-            counts["conversations_cut_short"] += int(not ok)
+            regenerated.append(type(conv)(id=conv.id, messages=messages, tools=getattr(conv, "tools", None)))
+            ended_early = not ok and not diverged[i] or diverged[i] and len(messages) < len(conv.messages)
+            counts["conversations_cut_short"] += int(ended_early)
             if capture is not None:
-                prompt, output = last.pop(i)
-                answer = list(output.outputs[0].token_ids)[:-1]
-                ids = prompt.input_ids + answer
-                aux, final = capture.states(output, ids, f"conversation {conv.id!r}")
-                sink({"id": conv.id, "input_ids": ids, "loss_mask": prompt.loss_mask + [1] * len(answer),
-                      "aux_hidden": aux, "final_hidden": final, "conversation": regenerated[-1]})  # fmt: skip
+                alive[i] = False  # its last sample: named `<id>` unless an earlier one was its own
+                emit(i)
     finally:
-        for _, output in last.values():  # an error or an interrupt: no capture file is left behind
+        for _, output, _ in last.values():  # an error or an interrupt: no capture file is left behind
             capture.discard(output)
     return regenerated, counts
 
@@ -187,7 +256,14 @@ def remove_stale_chunks(out_dir: Path, current: set[str], batch_size: int) -> No
 
 
 def regenerate_rank_share(
-    conversations, tokenizer, target_path: str, cfg, out_dir: Path, accelerator, capture=None
+    conversations,
+    tokenizer,
+    target_path: str,
+    cfg,
+    out_dir: Path,
+    accelerator,
+    capture=None,
+    template_kwargs=None,
 ):
     """Regenerate this rank's chunks (reusing finished ones), then read every chunk in order.
 
@@ -234,12 +310,14 @@ def regenerate_rank_share(
                 log.info("regenerating chunk %d of %d (%d conversations; %d/%d of this rank's)",
                          c + 1, len(chunks), len(chunks[c]), number + 1, len(todo))  # fmt: skip
                 if capture is None:
-                    new, counts = regenerate_conversations(engine, tokenizer, chunks[c], cfg)
+                    new, counts = regenerate_conversations(
+                        engine, tokenizer, chunks[c], cfg, template_kwargs=template_kwargs
+                    )
                     shards = {}
                 else:
                     writer = capture.chunk_writer(c)  # shards of cache.max_shard_mb, written as they fill
                     new, counts = regenerate_conversations(
-                        engine.llm, tokenizer, chunks[c], cfg, engine, writer.add
+                        engine.llm, tokenizer, chunks[c], cfg, engine, writer.add, template_kwargs
                     )
                     shards = {"shards": writer.close()}
                     counts.update(writer.counts)
@@ -262,5 +340,6 @@ def regenerate_rank_share(
         "files": {chunk_path(c).name: file_sha256(chunk_path(c)) for c in range(len(chunks))},
     }
     kind = type(conversations[0])
-    regenerated = [kind(id=c.id, messages=by_id[c.id]) for c in conversations if c.id in by_id]
+    regenerated = [kind(id=c.id, messages=by_id[c.id], tools=getattr(c, "tools", None))
+                   for c in conversations if c.id in by_id]  # fmt: skip
     return regenerated, counts, (shards if capture is not None else None)

@@ -1,12 +1,21 @@
-"""Render conversations with the target's own chat template and mark the assistant tokens.
+"""Render conversations with the target's own chat template and mark the tokens the target generates.
 
-The loss mask is found without any table of templates: for each assistant turn i, the text the template
-produces for `messages[:i]` with the generation prompt is where the answer starts, and the text for
-`messages[:i+1]` is where it ends (its end-of-turn token included, trailing whitespace not). This holds for
-any template whose renderings of a conversation's prefixes are prefixes of its full rendering (Llama-3,
-ChatML, Llama-2, Mistral, ...). For templates that rewrite earlier turns (e.g. drop past reasoning, as
-Qwen3's does), the answer's text - or, reasoning dropped, its text after `</think>` - is searched for in
-the full rendering instead: the mask covers each answer as the template renders the whole conversation.
+A conversation is rendered as the server renders its requests: its `tools` passed as `tools=`, the
+template kwargs the head is served with (`render.chat_template_kwargs`, e.g. `enable_thinking`) passed
+through, a message's reasoning as `reasoning_content` (and `reasoning`, as vLLM passes it) and tool-call
+arguments as dicts.
+
+The loss mask is found without any table of templates: for assistant turn i, the text the template
+produces for `messages[:i]` with the generation prompt is the request's prompt, and the text for
+`messages[:i+1]` is that turn rendered as the target generates it (its reasoning, answer, tool-call JSON
+and end-of-turn token; trailing whitespace not). So tool results, prompts and the template's scaffolding
+(the generation prompt included) are never in the loss.
+
+One conversation gives one sample when every turn's rendering is a prefix of the next (Llama-3, ChatML,
+Mistral, ...). A template that rewrites history (Qwen3 drops the reasoning of turns before the last user
+message) renders a later request differently from the earlier turn as it was generated: a new sample then
+starts, rendered as that later request - the history as the template shows it, the new turns with their
+reasoning - so each turn is trained exactly as it is served, and none is dropped.
 
 Mask convention, used by every stage: `loss_mask[t] == 1` iff token t belongs to an assistant answer, i.e.
 it is a token the draft is trained to predict.
@@ -34,58 +43,80 @@ class RenderedSample:
     truncated: bool = False  # cut to render.max_length
 
 
-def _template(tokenizer, messages, add_generation_prompt=False) -> str:
+def chat_template_kwargs(cfg) -> dict:
+    """The chat-template kwargs every rendering and request of a run passes (its thinking mode):
+    `render.chat_template_kwargs`, and when regenerating with `regen.reasoning=off`, `regen.reasoning_off_kwargs`
+    over them."""
+    kwargs = dict(cfg.render.chat_template_kwargs or {})
+    if cfg.regen.enabled and cfg.regen.reasoning == "off":
+        kwargs |= dict(cfg.regen.reasoning_off_kwargs)
+    return kwargs
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as vLLM hands them to a chat template: reasoning under both names it is read by."""
+    out = []
+    for message in messages:
+        if message.get("reasoning_content") is not None:
+            message = {**message, "reasoning": message["reasoning_content"]}
+        out.append(message)
+    return out
+
+
+def render_text(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=False) -> str:
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        template_messages(messages),
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **(template_kwargs or {}),
     )
 
 
-def assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False
-) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the [start, end) character span of every assistant answer in it."""
-    full = _template(tokenizer, messages, add_generation_prompt)
-    spans = []
-    cursor = 0
+def answer_segments(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools=None, template_kwargs=None
+) -> list[tuple[str, list[tuple[int, int]], int]]:
+    """The samples a conversation gives: (rendering, [start, end) character span of each answer in it, the
+    index of its last message), one per run of turns whose renderings are prefixes of one another."""
+    segments = []
+    text, spans, last = None, [], -1
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _template(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _template(tokenizer, messages[: i + 1]).rstrip()
-        if full.startswith(through) and through.startswith(before) and len(before) >= cursor:
-            start, end = len(before), len(through)
+        before = render_text(tokenizer, messages[:i], tools, template_kwargs, add_generation_prompt=True)
+        through_full = render_text(tokenizer, messages[: i + 1], tools, template_kwargs)
+        through = through_full.rstrip()
+        if through.startswith(before):
+            span = (len(before), len(through))
+        else:  # a template whose generation prompt is not how it renders an answer's start
+            span = _search_answer(through, message, before)
+        if text is not None and through.startswith(text.rstrip()) and span[0] >= len(text.rstrip()):
+            spans.append(span)
         else:
-            start, end = _search_answer(full, message["content"], through, before, cursor)
-        spans.append((start, end))
-        cursor = end
-    return full, spans
+            if text is not None:
+                segments.append((text, spans, last))
+            spans = [span]
+        text, last = through_full, i
+    if text is not None:
+        segments.append((text, spans, last))
+    return segments
 
 
-def _search_answer(full: str, content: str, through: str, before: str, cursor: int) -> tuple[int, int]:
-    """Fallback for templates that rewrite history: find the answer text itself after `cursor` - whole, or
-    as reasoning models' templates render a past answer, its reasoning (up to `</think>`) dropped."""
+def _search_answer(through: str, message: dict, before: str) -> tuple[int, int]:
+    """Fallback for templates that render an answer's start unlike their generation prompt: the answer's
+    text (whole, or after its reasoning) found after the part `through` shares with the prompt."""
+    common = 0
+    while common < min(len(before), len(through)) and before[common] == through[common]:
+        common += 1
+    content = message["content"]
     for answer in dict.fromkeys([content.strip(), content.rpartition(REASONING_END)[2].strip()]):
-        start = full.find(answer, cursor) if answer else -1
+        start = through.rfind(answer, common) if answer else -1
         if start >= 0:
-            break
-    if start < 0:
-        raise ValueError("the assistant answer does not appear in the template's rendering")
-    end = start + len(answer)
-    # Take the end-of-turn marker too: whatever follows the answer in this turn's own rendering.
-    if through.startswith(before):
-        suffix = through[len(before) :]
-        cut = suffix.rfind(answer)
-        if cut >= 0 and full.startswith(suffix[cut + len(answer) :], end):
-            end += len(suffix) - cut - len(answer)
-    return start, end
+            return start, len(through)
+    raise ValueError("the assistant answer does not appear in the template's rendering")
 
 
-def render_conversation(
-    tokenizer: PreTrainedTokenizerBase, conv_id: str, messages: list[dict], add_generation_prompt=False
-) -> RenderedSample:
-    """Token ids of the chat-templated conversation and its assistant-only loss mask (untruncated); with
-    `add_generation_prompt`, the prompt of the next answer (what regeneration sends the engine)."""
-    text, spans = assistant_char_spans(tokenizer, messages, add_generation_prompt)
+def _tokens(tokenizer, sample_id: str, text: str, spans: list[tuple[int, int]]) -> RenderedSample:
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = []
     span_index = 0
@@ -94,11 +125,39 @@ def render_conversation(
             span_index += 1
         inside = span_index < len(spans) and spans[span_index][0] <= start
         loss_mask.append(int(inside))
-    return RenderedSample(conv_id, list(encoding["input_ids"]), loss_mask)
+    return RenderedSample(sample_id, list(encoding["input_ids"]), loss_mask)
+
+
+def render_samples(
+    tokenizer: PreTrainedTokenizerBase, conv_id: str, messages: list[dict], tools=None, template_kwargs=None
+) -> list[RenderedSample]:
+    """The token ids and loss masks (untruncated) of a conversation's samples: one, `conv_id`, when the
+    template keeps history as it was generated; else one per run of turns, `conv_id/turn<n>` with n the
+    number of its last assistant turn (1-based)."""
+    segments = answer_segments(tokenizer, messages, tools, template_kwargs)
+    if len(segments) == 1:
+        return [_tokens(tokenizer, conv_id, segments[0][0], segments[0][1])]
+    samples = []
+    for text, spans, last in segments:
+        turn = sum(m["role"] == "assistant" for m in messages[: last + 1])
+        samples.append(_tokens(tokenizer, f"{conv_id}/turn{turn}", text, spans))
+    return samples
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, conv_id: str, messages: list[dict], tools=None, template_kwargs=None
+) -> RenderedSample:
+    """The request that asks for the next answer (the generation prompt last), what regeneration sends the
+    engine; its mask marks the earlier answers this request holds as they were generated (the last run of
+    turns whose renderings are prefixes of it)."""
+    text = render_text(tokenizer, messages, tools, template_kwargs, add_generation_prompt=True)
+    segments = answer_segments(tokenizer, messages, tools, template_kwargs)
+    spans = segments[-1][1] if segments and text.startswith(segments[-1][0].rstrip()) else []
+    return _tokens(tokenizer, conv_id, text, spans)
 
 
 def render_all(
-    tokenizer, conversations, max_length: int, overlong: str
+    tokenizer, conversations, max_length: int, overlong: str, template_kwargs=None
 ) -> tuple[list[RenderedSample], Counter, int]:
     """Render every conversation and apply the max-length policy.
 
@@ -107,17 +166,20 @@ def render_all(
     samples, skipped, num_truncated = [], Counter(), 0
     for conv in conversations:
         try:
-            sample = render_conversation(tokenizer, conv.id, conv.messages)
+            rendered = render_samples(
+                tokenizer, conv.id, conv.messages, getattr(conv, "tools", None), template_kwargs
+            )
         except (
             Exception
         ) as error:  # a template may raise on content it rejects; one record must not stop the run
             log.warning("conversation %s: cannot render with the chat template: %s", conv.id, error)
             skipped["template_error"] += 1
             continue
-        sample = fit_length(sample, max_length, overlong, skipped)
-        if sample is not None:
-            num_truncated += sample.truncated
-            samples.append(sample)
+        for sample in rendered:
+            sample = fit_length(sample, max_length, overlong, skipped)
+            if sample is not None:
+                num_truncated += sample.truncated
+                samples.append(sample)
     return samples, skipped, num_truncated
 
 

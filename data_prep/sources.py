@@ -37,6 +37,7 @@ from data_prep.conversation import (
     extract_turns,
     normalize_messages,
     record_id,
+    record_tools,
 )
 from data_prep.records import read_records
 
@@ -150,19 +151,20 @@ def read_source(
         try:
             turns = extract_turns(record, entry)
             messages = normalize_messages(turns, role_map, cfg.system_prompt, cfg.max_turns)
+            tools = record_tools(record)
         except SkippedRecord as skip:
             skipped[skip.reason] += 1
             continue
         if pattern and not pattern.search(next(m["content"] for m in messages if m["role"] == "user")):
             skipped["no_match"] += 1
             continue
-        digest = hashlib.sha256(canonical_json(messages)).hexdigest()
+        digest = hashlib.sha256(canonical_json(content_of(messages, tools))).hexdigest()
         if digest in seen:
             skipped["duplicate_conversation"] += 1
             continue
         seen.add(digest)
         conversation_id = ids.claim(id_prefix + record_id(record, messages, entry.id_field))
-        conversations.append(Conversation(conversation_id, messages))
+        conversations.append(Conversation(conversation_id, messages, tools))
         if entry.num_samples is not None and len(conversations) >= entry.num_samples:
             break  # stop reading: the rest of the source would be thrown away
 
@@ -197,11 +199,18 @@ def is_held_out(conversation: Conversation, eval_fraction: float) -> bool:
     return int(split_key(conversation)[:16], 16) < eval_fraction * 2**64
 
 
+def content_of(messages: list[dict], tools: list[dict] | None):
+    """What a conversation says, for digests: its messages, and its tools where the request had some (so
+    the digests of conversations without tools are what they were before tools were read)."""
+    return messages if tools is None else [messages, tools]
+
+
 def fingerprint_conversations(conversations: list[Conversation]) -> str:
     digest = hashlib.sha256()
     for conversation in conversations:
         # json.dumps escapes newlines inside strings, so b"\n" cleanly separates conversations.
-        digest.update(canonical_json([conversation.id, conversation.messages]) + b"\n")
+        content = content_of(conversation.messages, conversation.tools)
+        digest.update(canonical_json([conversation.id, content]) + b"\n")
     return digest.hexdigest()
 
 

@@ -16,7 +16,7 @@ from artifacts.cache import CacheSplit
 from artifacts.manifest import read_manifest
 from artifacts.vocab import load_vocab_map
 from data_prep.main import run
-from data_prep.render import render_conversation
+from data_prep.render import render_samples
 from tests.helpers import AUX_IDS, REPO, shard_hashes, smoke_config
 
 
@@ -71,7 +71,7 @@ def test_cached_states_equal_an_independent_hf_forward(smoke_run):
         messages = [
             {"role": roles[t["from"]], "content": t["value"]} for t in conversations[cache.ids[index]]
         ]
-        rendered = render_conversation(tokenizer, cache.ids[index], messages)
+        (rendered,) = render_samples(tokenizer, cache.ids[index], messages)
         assert sample["input_ids"].tolist() == rendered.input_ids
         assert sample["loss_mask"].int().tolist() == rendered.loss_mask
         with torch.no_grad():

@@ -78,7 +78,7 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
 
     calls = []
 
-    def fake_regenerate(llm, tokenizer, conversations, cfg):
+    def fake_regenerate(llm, tokenizer, conversations, cfg, template_kwargs=None):
         calls.append([c.id for c in conversations])
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -119,7 +119,7 @@ def test_another_batch_size_regenerates_chunks_it_changes_and_removes_stale_file
 
     calls = []
 
-    def fake_regenerate(llm, tokenizer, conversations, cfg):
+    def fake_regenerate(llm, tokenizer, conversations, cfg, template_kwargs=None):
         calls.append(len(conversations))
         answered = [Conversation(c.id, c.messages[:1] + [{"role": "assistant", "content": "ok"}])
                     for c in conversations]  # fmt: skip

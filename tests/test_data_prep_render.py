@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from data_prep.render import render_all, render_conversation
+from data_prep.render import render_all, render_prompt, render_samples
 
 # The templates as their model repositories ship them (whitespace kept).
 LLAMA3_TEMPLATE = (
@@ -67,6 +67,11 @@ TEMPLATES = {
 }
 
 
+def render_one(tokenizer, conv_id, messages):
+    (sample,) = render_samples(tokenizer, conv_id, messages)
+    return sample
+
+
 def masked_pieces(tokenizer, sample):
     """The decoded text of each maximal run of loss-masked tokens."""
     pieces, run = [], []
@@ -85,7 +90,7 @@ def masked_pieces(tokenizer, sample):
 def test_mask_covers_exactly_the_answers_and_their_end_of_turn(name):
     template, specials, bos, eos, answer_format = TEMPLATES[name]
     tokenizer = make_tokenizer(template, specials, bos, eos)
-    sample = render_conversation(tokenizer, "c0", CONVERSATION)
+    sample = render_one(tokenizer, "c0", CONVERSATION)
 
     answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
     assert masked_pieces(tokenizer, sample) == [answer_format.format(a) for a in answers]
@@ -101,27 +106,27 @@ def test_mask_covers_exactly_the_answers_and_their_end_of_turn(name):
 def test_chatml_default_system_prompt_is_not_trained_on():
     template, specials, bos, eos, _ = TEMPLATES["chatml_smollm2"]
     tokenizer = make_tokenizer(template, specials, bos, eos)
-    sample = render_conversation(
-        tokenizer, "c0", CONVERSATION[1:3]
-    )  # no system message: the template adds one
+    sample = render_one(tokenizer, "c0", CONVERSATION[1:3])  # no system message: the template adds one
     assert masked_pieces(tokenizer, sample) == ["Paris.<|im_end|>"]
     assert "SmolLM" in tokenizer.decode(sample.input_ids)
 
 
-def test_history_rewriting_template_falls_back_to_searching_the_answer():
+def test_history_rewriting_template_gives_a_sample_per_turn():
     # A template that renders past answers differently from the last one (like templates that strip
-    # reasoning from history): prefixes of the rendering are not prefixes of the full rendering.
+    # reasoning from history): each answer is trained as the request that generated it renders it.
     template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['role'] == 'assistant' and not loop.last %}[past] {% endif %}{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     tokenizer = make_tokenizer(template, ["<|im_start|>", "<|im_end|>"], None, "<|im_end|>")
-    sample = render_conversation(tokenizer, "c0", CONVERSATION[1:5])
-    assert masked_pieces(tokenizer, sample) == [
-        "Paris.<|im_end|>",
-        "The capital of Italy is Rome, on the Tiber.<|im_end|>",
+    samples = render_samples(tokenizer, "c0", CONVERSATION[1:5])
+    assert [s.id for s in samples] == ["c0/turn1", "c0/turn2"]
+    assert [masked_pieces(tokenizer, s) for s in samples] == [
+        ["Paris.<|im_end|>"],
+        ["The capital of Italy is Rome, on the Tiber.<|im_end|>"],
     ]
+    assert "[past] Paris." in tokenizer.decode(samples[1].input_ids)  # the history as the server renders it
 
 
 def test_max_length_policy_truncates_or_drops_and_counts():
@@ -133,8 +138,8 @@ def test_max_length_policy_truncates_or_drops_and_counts():
             self.id, self.messages = id, messages
 
     convs = [Conv("long", CONVERSATION), Conv("short", CONVERSATION[1:3])]
-    full_len = len(render_conversation(tokenizer, "long", CONVERSATION).input_ids)
-    short_len = len(render_conversation(tokenizer, "short", CONVERSATION[1:3]).input_ids)
+    full_len = len(render_one(tokenizer, "long", CONVERSATION).input_ids)
+    short_len = len(render_one(tokenizer, "short", CONVERSATION[1:3]).input_ids)
     assert short_len < full_len
 
     samples, skipped, num_truncated = render_all(tokenizer, convs, max_length=short_len, overlong="truncate")
@@ -172,7 +177,7 @@ THINKING_TEMPLATE = (
 )
 
 
-def test_a_template_that_drops_past_reasoning_masks_each_answer_as_it_renders_it():
+def test_a_template_that_drops_past_reasoning_trains_each_answer_with_its_reasoning():
     tokenizer = make_tokenizer(THINKING_TEMPLATE, ["<|im_start|>", "<|im_end|>"], None, "<|im_end|>")
     messages = [
         CONVERSATION[1],
@@ -180,12 +185,11 @@ def test_a_template_that_drops_past_reasoning_masks_each_answer_as_it_renders_it
         CONVERSATION[3],
         {"role": "assistant", "content": "<think>\nItaly.\n</think>\n\nRome."},
     ]
-    sample = render_conversation(tokenizer, "c0", messages)
-    assert masked_pieces(tokenizer, sample) == [
-        "Paris.<|im_end|>",
-        "<think>\nItaly.\n</think>\n\nRome.<|im_end|>",
-    ]
-    # Regeneration's prompt for the second turn: the first answer as the whole conversation renders it.
-    prompt = render_conversation(tokenizer, "c0", messages[:3], add_generation_prompt=True)
-    assert masked_pieces(tokenizer, prompt) == ["Paris.<|im_end|>"]
-    assert "France: Paris" not in tokenizer.decode(prompt.input_ids)
+    first, second = render_samples(tokenizer, "c0", messages)
+    assert masked_pieces(tokenizer, first) == ["<think>\nFrance: Paris.\n</think>\n\nParis.<|im_end|>"]
+    assert masked_pieces(tokenizer, second) == ["<think>\nItaly.\n</think>\n\nRome.<|im_end|>"]
+    assert "France: Paris" not in tokenizer.decode(second.input_ids)  # history as the template shows it
+    # Regeneration's prompt for the second turn: the first answer is history the template rewrote, not a
+    # token the target generated in this request, so nothing in it is masked.
+    prompt = render_prompt(tokenizer, "c0", messages[:3])
+    assert sum(prompt.loss_mask) == 0 and prompt.input_ids == second.input_ids[: len(prompt.input_ids)]

@@ -9,7 +9,7 @@ from omegaconf import MISSING, DictConfig
 
 from artifacts.config.checks import refuse
 
-ROLES = ("system", "user", "assistant")  # what data.role_map maps a source's roles onto
+ROLES = ("system", "user", "assistant", "tool")  # what data.role_map maps a source's roles onto
 
 
 def check_data(data) -> None:

@@ -23,6 +23,9 @@ DEFAULT_ROLE_MAP = {
     "chatgpt": "assistant",
     "bard": "assistant",
     "bing": "assistant",
+    "tool": "tool",  # a tool's result (OpenAI), answering the assistant's call `tool_call_id`
+    "function": "tool",  # OpenAI's legacy name for it
+    "ipython": "tool",  # Llama 3.1's
 }
 
 
@@ -69,7 +72,7 @@ class DataConfig:
     id_field: str | None = "id"  # record id key; records without one get a hash of their content
     role_map: dict[str, str] = field(
         default_factory=lambda: dict(DEFAULT_ROLE_MAP)
-    )  # source role -> system|user|assistant
+    )  # source role -> system|user|assistant|tool
     system_prompt: str | None = None  # system message added to conversations that have none
     # use only the first N valid conversations (None: all)
     num_samples: int | None = checked(None, optional(POSITIVE))
@@ -86,6 +89,10 @@ class RenderConfig:
     max_length: int = checked(2048, POSITIVE)  # longest tokenized conversation kept
     # what to do with longer ones: truncate (keep the first max_length tokens) | drop
     overlong: str = checked("truncate", one_of("truncate", "drop"))
+    # the chat template's kwargs the target is served with (a request's `chat_template_kwargs`, e.g.
+    # {enable_thinking: false} or {reasoning_effort: low}): every rendering and regenerated request passes
+    # them, the head's record keeps them (its thinking mode) and eval serves with them
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +106,16 @@ class RegenConfig:
     # held-out split is by prompt, so a prompt's samples all land on one side (docs/recipe.md#temperature)
     samples_per_prompt: int = checked(1, POSITIVE)
     include_greedy: bool = False  # sample 0 of each prompt is the greedy answer: a greedy and sampled mix
+    # the target's reasoning in the regenerated answers: keep (it reasons as render.chat_template_kwargs
+    # let it, and the reasoning is trained on) | off (asked not to: regen.reasoning_off_kwargs are added
+    # to the template kwargs of every rendering and request, and so to the head's record)
+    reasoning: str = checked("keep", one_of("keep", "off"))
+    reasoning_off_kwargs: dict[str, Any] = field(default_factory=lambda: {"enable_thinking": False})
+    # vLLM's parsers the target is served with (`vllm serve --tool-call-parser`, `--reasoning-parser`):
+    # they read each regenerated answer's tool calls (to compare them with the logged ones; needed when
+    # the data has tools) and its reasoning (kept as `reasoning_content`, as a client sends it back)
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     # conversations per chunk: one vLLM call per turn, saved when done (the resume unit)
     batch_size: int = checked(256, POSITIVE)
     vllm_kwargs: dict[str, Any] = field(

@@ -1,0 +1,210 @@
+"""Agentic request logs: tool calls, tool results, reasoning and parts, rendered with the agent smoke
+target's thinking-and-tools template (artifacts/smoke.py) and masked token by token; regenerated turn by
+turn with the server's parsers."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from artifacts.config import DataConfig
+from artifacts.smoke import AGENT_DATA, build_tokenizer
+from data_prep.conversation import SkippedRecord, extract_turns, normalize_messages
+from data_prep.render import render_prompt, render_samples
+from data_prep.sources import load_conversations
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(agent=True)
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    loaded = load_conversations(DataConfig(source=str(AGENT_DATA)))
+    assert not loaded.skipped  # every hand-written record is usable
+    return {c.id: c for c in loaded.conversations}
+
+
+def runs(tokenizer, sample, masked=1):
+    """The decoded text of each maximal run of tokens whose mask is `masked`."""
+    pieces, run = [], []
+    for token, bit in zip(sample.input_ids + [None], sample.loss_mask + [1 - masked]):
+        if bit == masked:
+            run.append(token)
+        elif run:
+            pieces.append(tokenizer.decode(run))
+            run = []
+    return pieces
+
+
+def test_records_are_read_as_servers_log_them(conversations):
+    parallel = conversations["weather-parallel"]
+    assert [t["function"]["name"] for t in parallel.tools] == ["get_weather", "get_time"]
+    call = parallel.messages[2]
+    assert call["content"] == "" and call["reasoning_content"].startswith("Two cities")
+    assert call["tool_calls"][1] == {"type": "function", "id": "call_3",
+                                     "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}  # fmt: skip
+    assert [m["tool_call_id"] for m in parallel.messages[3:7]] == ["call_2", "call_3", "call_4", "call_5"]
+    # `reasoning` as vLLM names it, a legacy `function_call` and its `function` result, text parts
+    assert conversations["docs-multi-turn"].messages[1]["reasoning_content"] == "Search the docs for resume."
+    legacy = conversations["legacy-function-call"].messages
+    assert legacy[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo", "unit": "fahrenheit"}
+    assert legacy[2] == {"role": "tool", "content": legacy[2]["content"], "name": "get_weather"}
+    assert (
+        conversations["thinking-inline"].messages[0]["content"] == "Name a prime number\nbetween 10 and 20."
+    )
+
+
+@pytest.mark.parametrize(
+    "messages, reason",
+    [
+        ([{"role": "user", "content": "q"}, {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}],
+         "orphan_tool_result"),
+        ([{"role": "user", "content": "q"},
+          {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+          {"role": "tool", "tool_call_id": "c9", "content": "r"}, {"role": "assistant", "content": "a"}],
+         "unmatched_tool_result"),
+        ([{"role": "user", "content": "q"},
+          {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
+         "malformed_tool_arguments"),
+        ([{"role": "user", "content": "q"},
+          {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+          {"role": "user", "content": "never mind"}, {"role": "assistant", "content": "a"}],
+         "not_alternating"),  # a call nothing answered, then the user
+        ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}], "empty_assistant_turn"),
+    ],
+)  # fmt: skip
+def test_agentic_records_the_template_cannot_be_given_are_skipped_by_reason(messages, reason):
+    cfg = DataConfig(source="x")
+    with pytest.raises(SkippedRecord) as skipped:
+        normalize_messages(extract_turns({"messages": messages}, cfg), dict(cfg.role_map), None)
+    assert skipped.value.reason == reason
+
+
+def test_masks_cover_reasoning_answers_and_calls_never_results(tokenizer, conversations):
+    conv = conversations["python-failed-call"]
+    (sample,) = render_samples(tokenizer, conv.id, conv.messages, conv.tools)
+    assert runs(tokenizer, sample) == [
+        "<think>\nA big number: run Python.\n</think>\n\nLet me compute it.\n<tool_call>\n"
+        '{"name": "run_python", "arguments": {"code": "print(2 ** 100"}}\n</tool_call><|im_end|>',
+        "<think>\nI forgot a parenthesis. Try again.\n</think>\n\n<tool_call>\n"
+        '{"name": "run_python", "arguments": {"code": "print(2 ** 100)"}}\n</tool_call><|im_end|>',
+        "<think>\n\n</think>\n\n2 to the power of 100 is 1267650600228229401496703205376.<|im_end|>",
+    ]
+    prompt_runs = runs(tokenizer, sample, masked=0)
+    assert prompt_runs[0].startswith("<|im_start|>system\nYou may call these tools")
+    assert prompt_runs[1:] == [
+        "\n<|im_start|>user\n<tool_response>\nSyntaxError: unexpected EOF while parsing\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n",
+        "\n<|im_start|>user\n<tool_response>\n1267650600228229401496703205376\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n",
+        "\n",
+    ]
+    # token by token: a token is trained on iff its characters lie in an answer
+    text = tokenizer.decode(sample.input_ids)
+    answers = runs(tokenizer, sample)
+    assert sum(sample.loss_mask) == sum(
+        len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers
+    )
+    assert all(a in text for a in answers)
+
+
+def test_parallel_results_are_one_user_turn_and_untrained(tokenizer, conversations):
+    conv = conversations["weather-parallel"]
+    (sample,) = render_samples(tokenizer, conv.id, conv.messages, conv.tools)
+    results = runs(tokenizer, sample, masked=0)[1]
+    assert results.count("<tool_response>") == 4 and results.count("<|im_start|>user") == 1
+    assert runs(tokenizer, sample)[0].count("<tool_call>") == 4
+
+
+def test_history_that_drops_reasoning_gives_one_sample_per_user_turn(tokenizer, conversations):
+    conv = conversations["docs-multi-turn"]
+    first, second = render_samples(tokenizer, conv.id, conv.messages, conv.tools)
+    assert (first.id, second.id) == ("docs-multi-turn/turn2", "docs-multi-turn/turn4")
+    # each sample holds its user turn's answers with their reasoning; the earlier exchange as history
+    assert [r.count("<think>") for r in runs(tokenizer, first)] == [1, 1]
+    assert [r.count("<think>") for r in runs(tokenizer, second)] == [1, 1]
+    history = tokenizer.decode(second.input_ids[: second.loss_mask.index(1)])
+    assert "Search the docs for resume" not in history and "restarts from its last checkpoint" in history
+    assert second.input_ids[: len(render_prompt(tokenizer, conv.id, conv.messages[:5], conv.tools).input_ids)] \
+        == render_prompt(tokenizer, conv.id, conv.messages[:5], conv.tools).input_ids  # fmt: skip
+
+
+def test_thinking_off_keeps_the_empty_think_block_out_of_the_loss(tokenizer, conversations):
+    conv = conversations["weather-no-call"]
+    messages = [conv.messages[0], {"role": "assistant", "content": "You are welcome."}]
+    off = {"enable_thinking": False}
+    (sample,) = render_samples(tokenizer, conv.id, messages, conv.tools, off)
+    assert runs(tokenizer, sample) == ["You are welcome.<|im_end|>"]
+    assert tokenizer.decode(
+        render_prompt(tokenizer, conv.id, messages[:1], conv.tools, off).input_ids
+    ).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+class ReplayEngine:
+    """vLLM's LLM as regeneration uses it, answering each prompt with the logged answer of the turn it asks
+    for - or, for the prompts in `replace`, with another text - so that a regenerated conversation whose
+    answers read back as logged asks exactly the logged conversation's prompts."""
+
+    def __init__(self, tokenizer, conversations, replace=None):
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))
+        self.tokenizer, self.answers, self.prompts = tokenizer, {}, []
+        for conv in conversations:
+            for i, message in enumerate(conv.messages):
+                if message["role"] == "assistant":
+                    before = render_prompt(tokenizer, conv.id, conv.messages[:i], conv.tools).input_ids
+                    (through,) = [s for s in render_samples(tokenizer, conv.id, conv.messages[: i + 1], conv.tools)
+                                  if s.input_ids[: len(before)] == before][-1:]  # fmt: skip
+                    text = tokenizer.decode(through.input_ids[len(before) :]).rstrip()
+                    self.answers[tuple(before)] = (replace or {}).get((conv.id, i), text)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outputs = []
+        for prompt in prompts:
+            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt.prompt_token_ids
+            self.prompts.append(ids)
+            text = self.answers[tuple(ids)].removesuffix("<|im_end|>")
+            done = SimpleNamespace(text=text, finish_reason="stop",
+                                   token_ids=self.tokenizer(text + "<|im_end|>")["input_ids"])  # fmt: skip
+            outputs.append(SimpleNamespace(outputs=[done]))
+        return outputs
+
+
+def test_regeneration_reads_calls_as_the_server_and_ends_where_a_call_diverges(tokenizer, conversations):
+    from data_prep.regenerate import regenerate_conversations
+
+    chosen = [
+        conversations[k] for k in ("python-failed-call", "weather-two-cities-sequential", "docs-multi-turn")
+    ]
+    other_call = '<think>\nParis instead.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    engine = ReplayEngine(tokenizer, chosen, replace={("weather-two-cities-sequential", 3): other_call})
+    cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=64, tool_parser="hermes",
+                          reasoning_parser="qwen3")  # fmt: skip
+    new, counts = regenerate_conversations(engine, tokenizer, chosen, cfg)
+    by_id = {c.id: c for c in new}
+    # read back as logged: the same messages (ids of the calls kept), so the same prompts were asked
+    for key in ("python-failed-call", "docs-multi-turn"):
+        logged = [
+            {k: v for k, v in m.items() if k != "reasoning_content" or v} for m in conversations[key].messages
+        ]
+        regenerated = [{k: (v.strip() if k in ("content", "reasoning_content") else v) for k, v in m.items()}
+                       for m in by_id[key].messages]  # fmt: skip
+        assert [m.get("tool_calls") for m in regenerated] == [m.get("tool_calls") for m in logged]
+        assert [m["content"].strip() for m in regenerated] == [m["content"] for m in logged]
+    # the second call differs: the conversation ends with it (the logged Madrid result no longer answers it)
+    diverged = by_id["weather-two-cities-sequential"].messages
+    assert diverged[-1]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},
+    }
+    assert len(diverged) == 4 and counts["tool_call_diverged"] == 1
+    assert counts["tool_calls_regenerated"] == 2 + 2 + 2  # python, weather (Berlin, then Paris), docs
+    assert len(engine.prompts) == 3 + 2 + 4
+
+
+def test_regenerating_tools_without_the_servers_parser_is_refused(tokenizer, conversations):
+    from data_prep.regenerate import regenerate_conversations
+
+    cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=8)
+    with pytest.raises(ValueError, match="regen.tool_parser"):
+        regenerate_conversations(None, tokenizer, [conversations["weather-one-call"]], cfg)
