@@ -9,42 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-class NonTextContent(ValueError):
-    """A message whose content has parts other than text (an image, audio, a file)."""
-
-
-def content_text(content) -> str | None:
-    """A message's text: a string as it is, OpenAI multi-part content (`[{"type": "text", "text": ...}]`)
-    as its text parts joined by newlines; None when `content` has neither shape. Raises NonTextContent
-    when a part is not text (the text alone would not be what was asked)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list) or not content:
-        return None
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif (
-            isinstance(part, dict)
-            and part.get("type", "text") == "text"
-            and isinstance(part.get("text"), str)
-        ):
-            texts.append(part["text"])
-        elif isinstance(part, dict) and part.get("type") not in (None, "text"):
-            raise NonTextContent(f"a {part.get('type')!r} part")
-        else:
-            return None
-    return "\n".join(texts)
+from artifacts.config import DEFAULT_ROLE_MAP
+from artifacts.conversation import SkippedRecord, content_text, message_of, record_tools
 
 
 def record_messages(record) -> list[dict]:
-    """A workload record as `[{"role", "content"}]`: `{"prompt": "..."}` (one user turn), OpenAI
-    `{"messages": [{"role", "content"}]}` or ShareGPT `{"conversations": [{"from", "value"}]}`, content a
-    string or text parts. Raises ValueError saying what is wrong with the record."""
-    from artifacts.config import DEFAULT_ROLE_MAP
-
+    """A workload record as messages: `{"prompt": "..."}` (one user turn), OpenAI `{"messages": [...]}` (as
+    servers log requests: tool calls, tool results, reasoning; artifacts/conversation.py reads each turn)
+    or ShareGPT `{"conversations": [{"from", "value"}]}`, content a string or text parts. Raises ValueError
+    saying what is wrong with the record."""
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {type(record).__name__}, not an object")
     if "prompt" in record:
@@ -68,10 +41,13 @@ def record_messages(record) -> list[dict]:
         )
         if role is None:
             raise ValueError(f"turn {index}: needs a `{role_key}` of {sorted(DEFAULT_ROLE_MAP)}")
-        text = content_text(turn.get(content_key))
-        if text is None:
+        content = turn.get(content_key)
+        if content_text(content) is None and not (role == "assistant" and content is None):
             raise ValueError(f"turn {index}: `{content_key}` is not a string or a list of text parts")
-        messages.append({"role": role, "content": text})
+        try:  # NonTextContent (a ValueError) names the part
+            messages.append(message_of(role, content, turn))
+        except SkippedRecord as skipped:
+            raise ValueError(f"turn {index}: its tool calls cannot be read ({skipped.reason})") from None
     prompt = first_turn_prompt(messages)
     if not prompt[-1]["content"].strip():
         raise ValueError("the first user turn is empty")
@@ -79,8 +55,9 @@ def record_messages(record) -> list[dict]:
 
 
 def read_conversations(path: Path) -> list[dict]:
-    """`{"id", "messages"}` records from a JSONL file: the cache's eval_conversations.jsonl or a workload
-    file (any shape `record_messages` reads). A line that cannot be read raises, naming file and line."""
+    """`{"id", "messages"}` records (and `"tools"` where the record has some) from a JSONL file: the cache's
+    eval_conversations.jsonl or a workload file (any shape `record_messages` reads). A line that cannot be
+    read raises, naming file and line."""
     path = Path(path)
     records = []
     with open(path, "rb") as f:
@@ -97,10 +74,35 @@ def read_conversations(path: Path) -> list[dict]:
                 raise ValueError(f"{path}:{number}: not JSON ({error})") from error
             try:
                 messages = record_messages(record)
+                tools = record_tools(record)
             except ValueError as error:
                 raise ValueError(f"{path}:{number}: {error}") from error
-            records.append({"id": record.get("id", f"{path.name}:{number}"), "messages": messages})
+            except SkippedRecord as skipped:
+                raise ValueError(f"{path}:{number}: `tools` cannot be read ({skipped.reason})") from None
+            entry = {"id": record.get("id", f"{path.name}:{number}"), "messages": messages}
+            records.append(entry | ({"tools": tools} if tools else {}))
     return records
+
+
+def agentic(conversation: dict) -> bool:
+    """Whether a conversation is an agent's: it has tools, calls or results."""
+    messages = conversation["messages"]
+    return bool(conversation.get("tools")) or any(
+        m.get("tool_calls") or m["role"] == "tool" for m in messages
+    )
+
+
+def requests_of(conversation: dict) -> list[list[dict]]:
+    """The requests a conversation stands for, as servers receive them: an agent's conversation, every
+    request its assistant turns answered (the history up to each, tool results included; and the whole of
+    it when it ends waiting for an answer); any other, its first user turn (a workload's one request)."""
+    messages = conversation["messages"]
+    if not agentic(conversation):
+        return [first_turn_prompt(messages)]
+    requests = [messages[:i] for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    if messages[-1]["role"] != "assistant":
+        requests.append(messages)
+    return requests
 
 
 def distinct_prompts(conversations: list[dict]) -> list[dict]:
@@ -123,23 +125,54 @@ def first_turn_prompt(messages: list[dict]) -> list[dict]:
     raise ValueError("no user turn")
 
 
-def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat-template token ids ending in the assistant's generation prompt."""
+def served_template_kwargs(cfg) -> dict:
+    """The chat-template kwargs a run renders and serves with (its thinking mode): `render.chat_template_kwargs`,
+    and when it regenerates with `regen.reasoning=off`, `regen.reasoning_off_kwargs` over them."""
+    kwargs = dict(cfg.render.chat_template_kwargs or {})
+    if cfg.regen.enabled and cfg.regen.reasoning == "off":
+        kwargs |= dict(cfg.regen.reasoning_off_kwargs)
+    return kwargs
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as vLLM hands them to a chat template: reasoning under both names templates read it by."""
+    return [
+        {**m, "reasoning": m["reasoning_content"]} if m.get("reasoning_content") is not None else m
+        for m in messages
+    ]
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:
+    """A request's chat-template token ids, ending in the assistant's generation prompt: its messages as
+    they are, its tools and the template kwargs it is served with."""
     ids = tokenizer.apply_chat_template(
-        first_turn_prompt(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        template_messages(messages),
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **(template_kwargs or {}),
     )
     return list(ids)
 
 
-def held_out_prompts(cache_dir: Path, tokenizer, num_prompts: int) -> list[list[int]]:
-    """The first user turns of the cache's first `num_prompts` held-out conversations, chat-templated."""
+def prompt_token_ids(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:
+    """Chat-template token ids of the first user turn, ending in the assistant's generation prompt."""
+    return chat_prompt_ids(tokenizer, first_turn_prompt(messages), tools, template_kwargs)
+
+
+def held_out_prompts(cache_dir: Path, tokenizer, num_prompts: int, template_kwargs=None) -> list[list[int]]:
+    """The first user turns of the cache's first `num_prompts` held-out conversations, chat-templated with
+    their tools and `template_kwargs` (the head's thinking mode)."""
     path = Path(cache_dir) / "eval_conversations.jsonl"
     if not path.exists():
         raise ValueError(f"{path} is missing: decoding reads the held-out prompts data_prep wrote there")
     conversations = distinct_prompts(read_conversations(path))[:num_prompts]
     if not conversations:
         raise ValueError(f"{path} holds no conversations: no held-out prompts to decode")
-    return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations]
+    return [
+        prompt_token_ids(tokenizer, c["messages"], c.get("tools"), template_kwargs) for c in conversations
+    ]
 
 
 def stop_token_ids(tokenizer, target_dir: Path) -> list[int]:

@@ -139,16 +139,39 @@ def smoke_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> Llama
     )
 
 
-def build_smoke_target(out_dir: str | Path, seed: int = 0, agent: bool = False) -> Path:
+def moe_config(vocab_size: int, eos_token_id: int, pad_token_id: int):
+    """The MoE smoke target's: the smoke target's shape in Qwen3-MoE's architecture, 8 experts of
+    intermediate 128 per layer with 2 routed per token (and Qwen3's q/k norms)."""
+    from transformers import Qwen3MoeConfig
+
+    llama = smoke_config(vocab_size, eos_token_id, pad_token_id).to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "eos_token_id",
+            "pad_token_id", "bos_token_id")  # fmt: skip
+    return Qwen3MoeConfig(**{k: llama[k] for k in keep}, intermediate_size=512, moe_intermediate_size=128,
+                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0,
+                          dtype="float32")  # fmt: skip
+
+
+def build_smoke_target(out_dir: str | Path, seed: int = 0, agent: bool = False, moe: bool = False) -> Path:
     """Write the smoke target to `out_dir` (once: an existing complete build is reused); `agent`: the
-    agent smoke target (its thinking-and-tools template and tokens)."""
+    agent smoke target (its thinking-and-tools template and tokens); `moe`: with it, the MoE smoke target
+    (Qwen3-MoE's architecture)."""
     out_dir = Path(out_dir)
     if (out_dir / DONE_MARKER).exists():
         return out_dir
-    tokenizer = build_tokenizer(agent)
-    config = smoke_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    tokenizer = build_tokenizer(agent or moe)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    if moe:
+        from transformers import Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(
+            moe_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        )
+    else:
+        config = smoke_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        model = LlamaForCausalLM(config)
+    model.eval()
     # A random init gives near-uniform next-token distributions (entropy 6.9 of 6.9 nats), which no draft
     # can learn from; sharper logits (entropy ~0.9, top token ~0.7 on average, greedy text unchanged) make
     # the smoke target confident like a real LM, so a smoke head measurably learns and drafts.

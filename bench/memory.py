@@ -74,6 +74,23 @@ TARGETS = {
         rope_parameters={"rope_theta": 1000000.0},
         eos_token_id=151645,
     ),  # fmt: skip
+    "Qwen/Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0},
+        eos_token_id=151645,
+    ),  # fmt: skip
     "meta-llama/Llama-3.3-70B-Instruct": dict(
         model_type="llama",
         hidden_size=8192,

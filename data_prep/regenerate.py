@@ -17,7 +17,7 @@ from pathlib import Path
 
 from artifacts import atomic
 from artifacts.cache import file_sha256
-from data_prep.conversation import answered
+from artifacts.conversation import answered
 from data_prep.render import render_prompt
 from target.answers import AnswerReader, tool_calls_of
 from target.vllm import EngineSettings, running_llm

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from artifacts.prompts import template_messages
+
 log = logging.getLogger(__name__)
 
 
@@ -41,26 +43,6 @@ class RenderedSample:
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False  # cut to render.max_length
-
-
-def chat_template_kwargs(cfg) -> dict:
-    """The chat-template kwargs every rendering and request of a run passes (its thinking mode):
-    `render.chat_template_kwargs`, and when regenerating with `regen.reasoning=off`, `regen.reasoning_off_kwargs`
-    over them."""
-    kwargs = dict(cfg.render.chat_template_kwargs or {})
-    if cfg.regen.enabled and cfg.regen.reasoning == "off":
-        kwargs |= dict(cfg.regen.reasoning_off_kwargs)
-    return kwargs
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """The messages as vLLM hands them to a chat template: reasoning under both names it is read by."""
-    out = []
-    for message in messages:
-        if message.get("reasoning_content") is not None:
-            message = {**message, "reasoning": message["reasoning_content"]}
-        out.append(message)
-    return out
 
 
 def render_text(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=False) -> str:

@@ -29,8 +29,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from artifacts.config import RECORD_FORMATS, DataConfig, DataSourceConfig, check_data, field_errors
-from artifacts.prompts import first_turn_prompt
-from data_prep.conversation import (
+from artifacts.conversation import (
     Conversation,
     SkippedRecord,
     canonical_json,
@@ -39,6 +38,7 @@ from data_prep.conversation import (
     record_id,
     record_tools,
 )
+from artifacts.prompts import first_turn_prompt
 from data_prep.records import read_records
 
 logger = logging.getLogger(__name__)

@@ -10,11 +10,14 @@ import logging
 from pathlib import Path
 
 from artifacts import atomic
+from artifacts.prompts import served_template_kwargs
 from export.read_vllm import (
     export_trained_ks,
     export_trained_temperatures,
+    export_trained_template_kwargs,
     read_export_config,
     temperature_note,
+    thinking_note,
 )
 from export.record import check_export
 from export.to_vllm import check_head_fits_target, speculative_config
@@ -31,6 +34,7 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
         else []
     )
     served_t = [float(t) for t in cfg.eval.temperature]
+    served_kwargs = served_template_kwargs(cfg)
     for head in cfg.eval.heads:
         if head.method == "ngram":
             drafting = "ngram"
@@ -48,9 +52,11 @@ def server_configs(cfg, run_dir: Path, target_config) -> list[dict]:
             drafting = head_kind(kind).drafting
             ks, dropped = served_ks(head, path, kind, fields)
             other_t = temperature_note(head.name, export_trained_temperatures(path), served_t)
-            if other_t:
-                log.warning("%s", other_t)
-            note = "; ".join(n for n in (note, dropped, other_t) if n) or None
+            other_mode = thinking_note(head.name, export_trained_template_kwargs(path), served_kwargs)
+            for warning in (other_t, other_mode):
+                if warning:
+                    log.warning("%s", warning)
+            note = "; ".join(n for n in (note, dropped, other_t, other_mode) if n) or None
         else:
             raise ValueError(f"eval.heads[{head.name}].method={head.method!r}: choose export or ngram")
         for k in ks:

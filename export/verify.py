@@ -40,8 +40,14 @@ def cache_dir(record: HeadRecord, run_dir: Path) -> Path:
 
 
 def verification_prompts(cfg, tokenizer, record: HeadRecord, run_dir: Path) -> list[list[int]]:
-    """The first user turns of the cache's held-out conversations, chat-templated for the target."""
-    return held_out_prompts(cache_dir(record, run_dir), tokenizer, cfg.export.verify_num_prompts)
+    """The first user turns of the cache's held-out conversations, chat-templated for the target with their
+    tools and the template kwargs the head was trained with (its thinking mode)."""
+    return held_out_prompts(
+        cache_dir(record, run_dir),
+        tokenizer,
+        cfg.export.verify_num_prompts,
+        record.trained_chat_template_kwargs,
+    )
 
 
 class VerificationError(RuntimeError):

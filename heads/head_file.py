@@ -68,6 +68,12 @@ class HeadRecord:
         """The temperatures its training answers were generated at (None: the dataset's own answers)."""
         return answer_temperatures(self.cache.get("regeneration"))
 
+    @property
+    def trained_chat_template_kwargs(self) -> dict | None:
+        """The chat-template kwargs its training answers were rendered with (its thinking mode; {}: the
+        template's defaults; None: a cache from before they were recorded)."""
+        return self.cache.get("chat_template_kwargs")
+
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "config": self.config.to_dict()}
 

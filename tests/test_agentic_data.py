@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from artifacts.config import DataConfig
+from artifacts.conversation import SkippedRecord, extract_turns, normalize_messages
 from artifacts.smoke import AGENT_DATA, build_tokenizer
-from data_prep.conversation import SkippedRecord, extract_turns, normalize_messages
 from data_prep.render import render_prompt, render_samples
 from data_prep.sources import load_conversations
 
@@ -208,3 +208,53 @@ def test_regenerating_tools_without_the_servers_parser_is_refused(tokenizer, con
     cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=8)
     with pytest.raises(ValueError, match="regen.tool_parser"):
         regenerate_conversations(None, tokenizer, [conversations["weather-one-call"]], cfg)
+
+
+class ReplayCapture:
+    """target/capture.CaptureEngine as regeneration uses it, over a ReplayEngine: zero states, and the
+    outputs it was told to discard."""
+
+    def __init__(self, engine):
+        self.engine, self.discarded = engine, []
+
+    def generate(self, prompts, params, greedy, progress=False):
+        return self.engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    def states(self, output, ids, where):
+        import torch
+
+        return torch.zeros(len(ids), 3, 4), torch.zeros(len(ids), 4)
+
+    def discard(self, output):
+        self.discarded.append(output)
+
+
+def test_capturing_while_regenerating_keeps_a_sample_per_request_the_template_rewrites(
+    tokenizer, conversations
+):
+    from data_prep.regenerate import regenerate_conversations
+
+    chosen = [conversations[k] for k in ("python-failed-call", "docs-multi-turn")]
+    engine = ReplayEngine(tokenizer, chosen)
+    capture, samples = ReplayCapture(engine), []
+    cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=64, tool_parser="hermes",
+                          reasoning_parser="qwen3")  # fmt: skip
+    regenerate_conversations(engine, tokenizer, chosen, cfg, capture, samples.append)
+    by_id = {s["id"]: s for s in samples}
+    # One request holds the whole agent loop (its turns keep their reasoning); the second user turn's
+    # request drops the first turn's reasoning, so the first user turn's last request is a sample too:
+    # the samples render_samples makes of the logged conversations, with their prompts and answers.
+    expected = {s.id: s for c in chosen for s in render_samples(tokenizer, c.id, c.messages, c.tools)}
+    assert (
+        sorted(by_id)
+        == sorted(expected)
+        == ["docs-multi-turn/turn2", "docs-multi-turn/turn4", "python-failed-call"]
+    )
+    assert len(capture.discarded) == 2 + 2  # superseded requests: python's first two, docs' first and third
+    for sample_id, rendered in expected.items():
+        sample = SimpleNamespace(
+            input_ids=by_id[sample_id]["input_ids"], loss_mask=by_id[sample_id]["loss_mask"]
+        )
+        assert len(runs(tokenizer, sample)) == len(runs(tokenizer, rendered)), sample_id
+        start = rendered.loss_mask.index(1)
+        assert sample.loss_mask.index(1) == start and sample.input_ids[:start] == rendered.input_ids[:start]

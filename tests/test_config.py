@@ -231,7 +231,10 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
         ("capture.pipeline_parallel_size=2", "capture.pipeline_parallel_size=2: must be 1"),
         ("capture.transfer=mooncake", "capture.transfer=mooncake: must be one of file, fp8 (mooncake is not"),
         ("process_group_timeout_s=0", "process_group_timeout_s=0.0: must be > 0"),
-        ("target.build=llama", "target.build=llama: must be one of smoke, smollm2, smollm2_upgraded or null"),
+        (
+            "target.build=llama",
+            "target.build=llama: must be one of smoke, smoke_agent, smoke_moe, smollm2, smollm2_upgraded or null",
+        ),
         ("eval.heads=[{name: a}, {name: a, method: ngram}]", "eval.heads[].name=['a', 'a']: must be unique"),
         (
             "eval.workloads=[{name: w, source: chat}, {name: w, source: code}]",

@@ -269,8 +269,8 @@ def test_a_shard_larger_than_the_free_space_is_refused_before_writing(tmp_path, 
 def test_one_pass_capture_writes_shards_of_max_shard_mb_as_samples_arrive(tmp_path):
     """A regeneration chunk's samples go to disk as each shard fills: never more than one shard's worth of
     states per split waits in memory, and the shards together hold every sample in order."""
+    from artifacts.conversation import Conversation
     from data_prep.capture import ChunkShards
-    from data_prep.conversation import Conversation
 
     cfg = smoke_config(tmp_path, "cache.max_shard_mb=1", "data.eval_fraction=0.0")
     writer = ChunkShards(cfg, tmp_path / "cache", chunk=7)

@@ -13,7 +13,7 @@ from train.memory import GB, check_step_fits, peak_bytes, step_memory
 H100 = 80e9
 
 
-@pytest.mark.parametrize("recipe", ["llama31_8b", "qwen3_8b", "llama33_70b"])
+@pytest.mark.parametrize("recipe", ["llama31_8b", "qwen3_8b", "llama33_70b", "qwen3_30b_a3b"])
 @pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_each_recipe_fits_an_80_gb_gpu_with_a_margin(recipe, kind):
     """The recipe's own micro-batch (DFlash: one sample, as docs/gpu.md runs it; P-EAGLE on the 70B too, and
@@ -23,8 +23,32 @@ def test_each_recipe_fits_an_80_gb_gpu_with_a_margin(recipe, kind):
     overrides = ["head.num_anchors=256"] if (recipe, kind) == ("llama33_70b", "dflash") else []
     breakdown = predict(recipe, kind, batch, None, world=8, zero_stage=2, online=None, overrides=overrides)
     assert peak_bytes(breakdown) <= 0.8 * H100, {k: round(v / GB, 1) for k, v in breakdown.items()}
-    if recipe != "llama33_70b":
+    if recipe in ("llama31_8b", "qwen3_8b"):
         assert breakdown.get("online_target", 0) > 15 * GB  # the 8B recipes train online: the target counts
+
+
+def test_a_moe_target_counts_every_expert_and_online_training_is_refused_where_it_cannot_fit(monkeypatch):
+    """Qwen3-30B-A3B: 30.5B weights (all 128 experts of each of 48 layers; 3.3B active) - what the model card
+    gives - and its online training refused on an 80 GB GPU, which is why its recipe caches the states."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from train.memory import active_intermediate, target_weights_bytes
+
+    cfg, target_config = recipe_config("qwen3_30b_a3b", "eagle3", False, [])
+    assert 30.4e9 < target_weights_bytes(target_config, 1) < 30.6e9
+    assert active_intermediate(target_config) == 8 * 768
+    tiny = Qwen3MoeConfig(vocab_size=300, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1])  # fmt: skip
+    assert target_weights_bytes(tiny, 1) == sum(p.numel() for p in Qwen3MoeForCausalLM(tiny).parameters())
+    draft, _, _ = build_head(cfg, target_config, "eagle3", "meta")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=H100))
+    check_step_fits(cfg, fake_accelerator(), draft, target_config, 4096)  # cached, as the recipe trains
+    cfg.train.features = "online"
+    with pytest.raises(
+        ValueError, match=r"online_target 61.*set train.batch_size=1 .*, or train.features=cache"
+    ):
+        check_step_fits(cfg, fake_accelerator(), draft, target_config, 4096)
 
 
 def fake_accelerator(device="cuda:0"):

@@ -132,8 +132,9 @@ def step_memory(
         breakdown["activations"] += outputs * PER_LOGIT * vd
     if online:
         breakdown["online_target"] = target_weights_bytes(target_config, target_bytes)
-        # its forward under inference mode: a layer's MLP at a time
-        breakdown["online_forward"] = b * t * (2 * i + 4 * h) * target_bytes
+        # its forward under inference mode: a layer's MLP at a time (a MoE layer's: the experts each token
+        # is routed to)
+        breakdown["online_forward"] = b * t * (2 * active_intermediate(target_config) + 4 * h) * target_bytes
     return breakdown
 
 
@@ -158,15 +159,66 @@ def peak_bytes(breakdown: dict[str, int], in_setup: bool = True) -> int:
     return held + get("optimizer", 0) + max(during, step)
 
 
+def num_experts(target_config) -> int:
+    """The routed experts of a MoE target's sparse layers (Qwen3-MoE / Qwen2-MoE `num_experts`, Mixtral
+    `num_local_experts`, DeepSeek `n_routed_experts`); 0 for a dense target."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(target_config, name, None):
+            return int(getattr(target_config, name))
+    return 0
+
+
+def sparse_layer(target_config, layer: int) -> bool:
+    """Whether layer `layer` of a MoE target routes to experts (the others have a dense MLP)."""
+    if not num_experts(target_config) or layer in (getattr(target_config, "mlp_only_layers", None) or []):
+        return False
+    step = getattr(target_config, "decoder_sparse_step", None) or 1
+    return (layer + 1) % step == 0 and layer >= (getattr(target_config, "first_k_dense_replace", None) or 0)
+
+
+def expert_sizes(target_config) -> tuple[int, int]:
+    """(one routed expert's intermediate size, the shared experts' total intermediate size)."""
+    expert = getattr(target_config, "moe_intermediate_size", None) or target_config.intermediate_size
+    shared = getattr(target_config, "shared_expert_intermediate_size", None) or 0
+    shared += (getattr(target_config, "n_shared_experts", None) or 0) * expert
+    return expert, shared
+
+
+def mlp_params(target_config, layer: int) -> int:
+    """Layer `layer`'s MLP weights: gate, up and down projections of every expert (all of them are held,
+    whichever a token is routed to), the shared experts and the router; a dense MLP's otherwise."""
+    h = target_config.hidden_size
+    if not sparse_layer(target_config, layer):
+        return 3 * h * target_config.intermediate_size
+    expert, shared = expert_sizes(target_config)
+    experts = num_experts(target_config)
+    return experts * 3 * h * expert + h * experts + 3 * h * shared + (h if shared else 0)
+
+
+def active_intermediate(target_config) -> int:
+    """The MLP width a token runs through: the dense intermediate size, or for a MoE target its
+    `num_experts_per_tok` experts and the shared ones (the largest over its layers)."""
+    dense = target_config.intermediate_size
+    if not num_experts(target_config):
+        return dense
+    expert, shared = expert_sizes(target_config)
+    routed = (getattr(target_config, "num_experts_per_tok", None) or 1) * expert + shared
+    layers = range(target_config.num_hidden_layers)
+    return max(routed if sparse_layer(target_config, n) else dense for n in layers)
+
+
 def target_weights_bytes(target_config, bytes_per_weight: int) -> int:
-    """A Llama-shaped target's weights (embedding, layers, norm, lm_head unless tied)."""
-    h, i, v = target_config.hidden_size, target_config.intermediate_size, target_config.vocab_size
+    """A Llama-shaped target's weights (embedding, layers, norm, lm_head unless tied), every expert of a
+    MoE target's layers counted."""
+    h, v = target_config.hidden_size, target_config.vocab_size
     heads = target_config.num_attention_heads
     kv = getattr(target_config, "num_key_value_heads", None) or heads
     d = getattr(target_config, "head_dim", None) or h // heads
-    layer = h * heads * d * 2 + 2 * h * kv * d + 3 * h * i + 2 * h
+    qk_norm = 2 * d if str(getattr(target_config, "model_type", "")).startswith("qwen3") else 0
+    attention = h * heads * d * 2 + 2 * h * kv * d + 2 * h + qk_norm
+    layers = sum(attention + mlp_params(target_config, n) for n in range(target_config.num_hidden_layers))
     tied = getattr(target_config, "tie_word_embeddings", False)
-    return bytes_per_weight * (v * h * (1 if tied else 2) + target_config.num_hidden_layers * layer + h)
+    return bytes_per_weight * (v * h * (1 if tied else 2) + layers + h)
 
 
 def describe(breakdown: dict[str, int], in_setup: bool = True) -> str:
@@ -198,12 +250,23 @@ def check_step_fits(cfg, accelerator, draft, target_config, seq_len: int) -> dic
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
         if needed > MAX_GPU_SHARE * capacity:
-            smaller = (
-                f"train.batch_size={b // 2} train.gradient_accumulation_steps={2 * accumulation} (the same "
-                "global batch)"
-                if b > 1
-                else "a shorter render.max_length, DeepSpeed ZeRO-2/3 (conf/accelerate/), or GPUs with more memory"
+            online = estimate.get("online_target", 0)
+            halvings = [b >> n for n in range(1, b.bit_length()) if b >> n >= 1]
+            fits = next((n for n in halvings if peak_bytes(step_memory(
+                cfg, draft, target_config, n, seq_len, accelerator.num_processes, zero_stage, online=online > 0
+            )) <= MAX_GPU_SHARE * capacity), None)  # fmt: skip
+            cache = (
+                f"train.features=cache (the online target's weights take {online / GB:.1f} GB of it, every expert "
+                "of a MoE target counted; data_prep caches the states with cache.hidden_states=true, through "
+                "vLLM at tensor parallel with capture.engine=vllm capture.tensor_parallel_size)"
             )
+            if fits:
+                smaller = (f"train.batch_size={fits} train.gradient_accumulation_steps={accumulation * b // fits} "
+                           "(the same global batch)" + (f", or {cache}" if online else ""))  # fmt: skip
+            elif online:
+                smaller = cache
+            else:
+                smaller = "a shorter render.max_length, DeepSpeed ZeRO-2/3 (conf/accelerate/), or GPUs with more memory"
             raise ValueError(
                 f"train.batch_size={b}: one step of {b} x {seq_len} tokens needs about {describe(estimate)}, "
                 f"more than {MAX_GPU_SHARE:.0%} of the {capacity / GB:.1f} GB of {device} (train/memory.py); "

@@ -39,8 +39,15 @@ from omegaconf import DictConfig
 
 from artifacts import atomic
 from artifacts.config import check_config, register_configs
+from artifacts.prompts import served_template_kwargs
 from eval.server import http_get
-from export.read_vllm import export_trained_temperatures, read_export_config, temperature_note
+from export.read_vllm import (
+    export_trained_temperatures,
+    export_trained_template_kwargs,
+    read_export_config,
+    temperature_note,
+    thinking_note,
+)
 from export.record import read_record
 from watch.alert_rules import write_rules
 from watch.expectation import (
@@ -188,7 +195,8 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """data_prep on the served traffic (watch.traffic), train warm-started from this run's head, export
     with verification, eval: the run's own overrides, and the served model where it is not the head's
     target (watch.target, after a base-model upgrade). Answers regenerated at the served temperature
-    (watch.temperature) where the run regenerated at another: the head is trained for what it serves."""
+    (watch.temperature) where the run regenerated at another, and rendered with the served thinking mode
+    (watch.chat_template_kwargs) where the run's differs: the head is trained for what it serves."""
     same = [o for o in overrides if not o.startswith(("watch.", "run_dir="))]
     regen = []
     served_t = float(cfg.watch.temperature)
@@ -198,6 +206,17 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
         regen = [f"regen.temperature={served_t:g}"]
         if served_t == 0:  # one greedy answer per prompt
             regen += ["regen.samples_per_prompt=1", "regen.include_greedy=false"]
+    served_kwargs = cfg.watch.chat_template_kwargs
+    if served_kwargs is not None and dict(served_kwargs) != served_template_kwargs(cfg):
+        same = [
+            o
+            for o in same
+            if not o.lstrip("+").startswith(("render.chat_template_kwargs", "regen.reasoning="))
+        ]
+        # `++`: the schema's dict takes keys it does not have only when forced
+        regen.append(f"++render.chat_template_kwargs={hydra_dict(dict(served_kwargs))}")
+        if cfg.regen.reasoning != "keep":
+            regen.append("regen.reasoning=keep")  # the served kwargs say the mode themselves
     if cfg.watch.target and not any(o.startswith(("target=", "target.path=")) for o in same):
         same.append(f"target.path={cfg.watch.target}")
     same = " ".join(shlex.quote(o) for o in same + regen)  # eval.heads=[{...,...}] would be brace-expanded
@@ -210,6 +229,15 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
         f"python export/main.py {same} run_dir={new_run} export.verify=true",
         f"python eval/main.py {same} run_dir={new_run}",
     ]
+
+
+def hydra_dict(values: dict) -> str:
+    """A flat dict as a Hydra override value: `{enable_thinking:false,reasoning_effort:'low'}`."""
+    return (
+        "{"
+        + ",".join(f"{k}:{json.dumps(v) if not isinstance(v, str) else repr(v)}" for k, v in values.items())
+        + "}"
+    )
 
 
 def deploy_now(cfg: DictConfig) -> str:
@@ -285,6 +313,12 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
     )
     if other_t:  # judged all the same: the record's eval may have measured it at this temperature
         log.warning("%s", other_t)
+    if settings.chat_template_kwargs is not None:
+        other_mode = thinking_note(
+            "watched", export_trained_template_kwargs(head_dir), dict(settings.chat_template_kwargs)
+        )
+        if other_mode:
+            log.warning("%s", other_mode)
     if not first.speculating:
         raise WatchError(
             f"watch.url={settings.url}: the server exposes no spec-decode counters: it does not draft"

@@ -1,5 +1,6 @@
 """The OmegaConf resolvers the YAML under `conf/` uses, registered once when this module is imported
-(`import artifacts.config` does): `${smoke_data:..}` and `${sharegpt_json:}` (the embedded data),
+(`import artifacts.config` does): `${smoke_data:..}`, `${sharegpt_json:}` and `${agent_data:num,seed}`
+(the embedded data, artifacts/agent_data.py),
 `${machine_dtype:..}` and `${machine_precision:..}` (half precision only where this machine computes it)
 and `${plus_one:..}` (head.block_size's default).
 """
@@ -56,7 +57,20 @@ def plus_one(value) -> int:
 # `${smoke_data:conversations.jsonl}` and `${sharegpt_json:}` in conf/data/*.yaml; `${machine_dtype:bfloat16}`
 # in conf/target/*.yaml, `${machine_precision:bf16}` as train.mixed_precision's default and `${plus_one:..}`
 # as head.block_size's.
+def _chat_template(name: str) -> str:
+    """`${chat_template:smollm2_tools.jinja}`: a chat template of the project's own, under conf/templates/."""
+    return str(Path(__file__).parent.parent.parent / "conf" / "templates" / name)
+
+
+def _agent_data(num, seed) -> str:
+    from artifacts.agent_data import agent_data_path
+
+    return agent_data_path(num, seed)
+
+
 OmegaConf.register_new_resolver("smoke_data", _package_file, replace=True)
+OmegaConf.register_new_resolver("agent_data", _agent_data, replace=True)
+OmegaConf.register_new_resolver("chat_template", _chat_template, replace=True)
 OmegaConf.register_new_resolver("sharegpt_json", _sharegpt_json, replace=True)
 OmegaConf.register_new_resolver("machine_dtype", machine_dtype, replace=True)
 OmegaConf.register_new_resolver("machine_precision", machine_precision, replace=True)

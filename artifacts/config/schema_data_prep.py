@@ -36,8 +36,10 @@ class TargetConfig:
     # dtype the target runs in while caching: bfloat16 | float16 | float32
     dtype: str = checked("bfloat16", DTYPE)
     chat_template: str | None = None  # Jinja chat template (or a path to one) for tokenizers without one
-    # build an embedded target at `path` if absent: smoke | smollm2 | smollm2_upgraded
-    build: str | None = checked(None, optional(one_of("smoke", "smollm2", "smollm2_upgraded")))
+    # build an embedded target at `path` if absent: smoke | smoke_agent | smoke_moe | smollm2 | smollm2_upgraded
+    build: str | None = checked(
+        None, optional(one_of("smoke", "smoke_agent", "smoke_moe", "smollm2", "smollm2_upgraded"))
+    )
 
 
 @dataclass

@@ -125,6 +125,9 @@ class WatchConfig:
     results: str | None = None
     eval_head: str | None = None  # the head's name in those results (None: the one served from `head`)
     temperature: float = checked(0.0, within(0, 2))  # the traffic's sampling temperature, as eval measured
+    # the chat-template kwargs the traffic is served with (its thinking mode; None: not said, not compared
+    # with the head's record)
+    chat_template_kwargs: dict[str, Any] | None = None
     workload: str | None = None  # judge against this workload's measurement only (None: every workload's)
     # a window per interval, lengthened while too short for its requests (watch/health.py `insufficient`)
     interval_s: float = checked(60.0, within(0, 86400, low_closed=False))

@@ -21,7 +21,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from artifacts.config import DataConfig, DataSourceConfig
-from artifacts.prompts import NonTextContent, content_text
+
+
+class NonTextContent(ValueError):
+    """A message whose content has parts other than text (an image, audio, a file)."""
+
+
+def content_text(content) -> str | None:
+    """A message's text: a string as it is, OpenAI multi-part content (`[{"type": "text", "text": ...}]`)
+    as its text parts joined by newlines; None when `content` has neither shape. Raises NonTextContent
+    when a part is not text (the text alone would not be what was asked)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        return None
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif (
+            isinstance(part, dict)
+            and part.get("type", "text") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            texts.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") not in (None, "text"):
+            raise NonTextContent(f"a {part.get('type')!r} part")
+        else:
+            return None
+    return "\n".join(texts)
+
 
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # how servers and datasets name it
 
