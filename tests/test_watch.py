@@ -370,3 +370,39 @@ def test_retraining_regenerates_the_answers_at_the_served_temperature(tmp_path):
     served_as_trained = commands(sampled[:2], 0.7)  # the run's own setting, nothing added
     assert all(c.count("regen.temperature") == 1 and "regen.temperature=0.7" in c for c in served_as_trained)
     assert all("regen.temperature" not in c for c in commands(["experiment=smoke"], 1))  # no regeneration
+
+
+def test_a_head_served_in_another_thinking_mode_is_named_and_retrained_in_the_served_one(tmp_path):
+    """The thinking mode (chat-template kwargs) the traffic is served with against the head's: eval's and
+    the watch's note says what the mismatch costs, and the retrain commands render with the served mode."""
+    import shlex
+
+    from artifacts.config import check_config
+    from export.read_vllm import thinking_note
+    from watch.main import retrain_commands
+
+    assert thinking_note("h", {"enable_thinking": True}, {"enable_thinking": True}) is None
+    assert thinking_note("h", None, {"enable_thinking": False}) is None  # not recorded: nothing to compare
+    note = thinking_note("h", {}, {"enable_thinking": False})
+    assert "{'enable_thinking': False}" in note and "9.49" in note and "render.chat_template_kwargs" in note
+
+    run = ["experiment=smoke_regen", "++render.chat_template_kwargs={enable_thinking:true}"]
+    served = [
+        """watch.chat_template_kwargs='{"enable_thinking": false}'""",
+        "watch.traffic=/logs/requests.jsonl",
+    ]
+    commands = retrain_commands(compose("config", [*run, f"run_dir={tmp_path}", *served]), run)
+    for command in commands:
+        assert "enable_thinking:true" not in command
+        assert "'++render.chat_template_kwargs={enable_thinking:false}'" in command
+        cfg = compose("config", shlex.split(command)[2:])
+        check_config(cfg)
+        assert dict(cfg.render.chat_template_kwargs) == {"enable_thinking": False}
+    same = [
+        """watch.chat_template_kwargs='{"enable_thinking": true}'""",
+        "watch.traffic=/logs/requests.jsonl",
+    ]
+    assert all(
+        "false" not in c
+        for c in retrain_commands(compose("config", [*run, f"run_dir={tmp_path}", *same]), run)
+    )

@@ -206,15 +206,15 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
         regen = [f"regen.temperature={served_t:g}"]
         if served_t == 0:  # one greedy answer per prompt
             regen += ["regen.samples_per_prompt=1", "regen.include_greedy=false"]
-    served_kwargs = cfg.watch.chat_template_kwargs
-    if served_kwargs is not None and dict(served_kwargs) != served_template_kwargs(cfg):
+    served_kwargs = served_kwargs_of(cfg.watch)
+    if served_kwargs is not None and served_kwargs != served_template_kwargs(cfg):
         same = [
             o
             for o in same
             if not o.lstrip("+").startswith(("render.chat_template_kwargs", "regen.reasoning="))
         ]
         # `++`: the schema's dict takes keys it does not have only when forced
-        regen.append(f"++render.chat_template_kwargs={hydra_dict(dict(served_kwargs))}")
+        regen.append(f"++render.chat_template_kwargs={hydra_dict(served_kwargs)}")
         if cfg.regen.reasoning != "keep":
             regen.append("regen.reasoning=keep")  # the served kwargs say the mode themselves
     if cfg.watch.target and not any(o.startswith(("target=", "target.path=")) for o in same):
@@ -229,6 +229,21 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
         f"python export/main.py {same} run_dir={new_run} export.verify=true",
         f"python eval/main.py {same} run_dir={new_run}",
     ]
+
+
+def served_kwargs_of(settings) -> dict | None:
+    """watch.chat_template_kwargs read: a JSON object, or None where it is not set."""
+    if settings.chat_template_kwargs is None:
+        return None
+    try:
+        value = json.loads(settings.chat_template_kwargs)
+    except json.JSONDecodeError as error:
+        raise WatchError(
+            f"watch.chat_template_kwargs={settings.chat_template_kwargs!r}: not JSON ({error})"
+        ) from None
+    if not isinstance(value, dict):
+        raise WatchError(f"watch.chat_template_kwargs={settings.chat_template_kwargs!r}: not a JSON object")
+    return value
 
 
 def hydra_dict(values: dict) -> str:
@@ -315,7 +330,7 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
         log.warning("%s", other_t)
     if settings.chat_template_kwargs is not None:
         other_mode = thinking_note(
-            "watched", export_trained_template_kwargs(head_dir), dict(settings.chat_template_kwargs)
+            "watched", export_trained_template_kwargs(head_dir), served_kwargs_of(settings)
         )
         if other_mode:
             log.warning("%s", other_mode)
