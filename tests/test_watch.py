@@ -351,7 +351,7 @@ def test_retraining_regenerates_the_answers_at_the_served_temperature(tmp_path):
     import shlex
 
     from artifacts.config import check_config
-    from watch.main import retrain_commands
+    from watch.actions import retrain_commands
 
     def commands(run_overrides, served):
         watched = [f"watch.temperature={served}", "watch.traffic=/logs/requests.jsonl"]
@@ -379,7 +379,7 @@ def test_a_head_served_in_another_thinking_mode_is_named_and_retrained_in_the_se
 
     from artifacts.config import check_config
     from export.read_vllm import thinking_note
-    from watch.main import retrain_commands
+    from watch.actions import retrain_commands
 
     assert thinking_note("h", {"enable_thinking": True}, {"enable_thinking": True}) is None
     assert thinking_note("h", None, {"enable_thinking": False}) is None  # not recorded: nothing to compare
