@@ -146,14 +146,17 @@ class ReplayEngine:
     for - or, for the prompts in `replace`, with another text - so that a regenerated conversation whose
     answers read back as logged asks exactly the logged conversation's prompts."""
 
-    def __init__(self, tokenizer, conversations, replace=None):
+    def __init__(self, tokenizer, conversations, replace=None, template_kwargs=None):
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))
         self.tokenizer, self.answers, self.prompts = tokenizer, {}, []
         for conv in conversations:
             for i, message in enumerate(conv.messages):
                 if message["role"] == "assistant":
-                    before = render_prompt(tokenizer, conv.id, conv.messages[:i], conv.tools).input_ids
-                    (through,) = [s for s in render_samples(tokenizer, conv.id, conv.messages[: i + 1], conv.tools)
+                    kwargs = template_kwargs
+                    before = render_prompt(
+                        tokenizer, conv.id, conv.messages[:i], conv.tools, kwargs
+                    ).input_ids
+                    (through,) = [s for s in render_samples(tokenizer, conv.id, conv.messages[: i + 1], conv.tools, kwargs)
                                   if s.input_ids[: len(before)] == before][-1:]  # fmt: skip
                     text = tokenizer.decode(through.input_ids[len(before) :]).rstrip()
                     self.answers[tuple(before)] = (replace or {}).get((conv.id, i), text)
@@ -258,3 +261,28 @@ def test_capturing_while_regenerating_keeps_a_sample_per_request_the_template_re
         assert len(runs(tokenizer, sample)) == len(runs(tokenizer, rendered)), sample_id
         start = rendered.loss_mask.index(1)
         assert sample.loss_mask.index(1) == start and sample.input_ids[:start] == rendered.input_ids[:start]
+
+
+def test_reasoning_off_asks_the_target_not_to_think_and_its_answers_carry_none(tokenizer, conversations):
+    """regen.reasoning=off: the template kwargs gain regen.reasoning_off_kwargs (the thinking mode of the
+    cache and the head); the answers regenerated under them are read without reasoning."""
+    from artifacts.config import compose
+    from artifacts.prompts import served_template_kwargs
+    from data_prep.regenerate import regenerate_conversations
+
+    cfg = compose("config", ["experiment=smoke_agent", "run_dir=/tmp/x", "regen.reasoning=off"])
+    off = served_template_kwargs(cfg)
+    assert off == {"enable_thinking": False}
+    assert served_template_kwargs(compose("config", ["experiment=smoke_agent", "run_dir=/tmp/x"])) == {}
+    conv = conversations["plain-chat"]
+    plain = type(conv)(
+        conv.id, [{k: v for k, v in m.items() if k != "reasoning_content"} for m in conv.messages]
+    )
+    engine = ReplayEngine(tokenizer, [plain], template_kwargs=off)
+    new, _ = regenerate_conversations(engine, tokenizer, [plain], cfg.regen, template_kwargs=off)
+    answers = [m for m in new[0].messages if m["role"] == "assistant"]
+    assert [m["content"] for m in answers] == ["Rome.", "Madrid."]
+    assert all(not m.get("reasoning_content") for m in answers)
+    assert all(
+        tokenizer.decode(p).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in engine.prompts
+    )
