@@ -231,6 +231,7 @@ def no_call(w: Writer) -> list[str]:
     return []
 
 
+AGENT_WORKLOAD_SEED = 1  # eval's `agent` workload; training data from it would be trained on what is measured
 SHAPES = [one_weather, parallel_weather, time_then_calculate, currency, failed_calculation, stock_follow_up,
           search, booking_and_email, no_call]  # fmt: skip
 

@@ -73,15 +73,21 @@ def read_conversations(path: Path) -> list[dict]:
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not JSON ({error})") from error
             try:
-                messages = record_messages(record)
-                tools = record_tools(record)
+                records.append(read_record(record, f"{path.name}:{number}"))
             except ValueError as error:
                 raise ValueError(f"{path}:{number}: {error}") from error
-            except SkippedRecord as skipped:
-                raise ValueError(f"{path}:{number}: `tools` cannot be read ({skipped.reason})") from None
-            entry = {"id": record.get("id", f"{path.name}:{number}"), "messages": messages}
-            records.append(entry | ({"tools": tools} if tools else {}))
     return records
+
+
+def read_record(record, default_id: str) -> dict:
+    """One record as `{"id", "messages"}` (and `"tools"` where it has some); ValueError says what is wrong."""
+    messages = record_messages(record)
+    try:
+        tools = record_tools(record)
+    except SkippedRecord as skipped:
+        raise ValueError(f"`tools` cannot be read ({skipped.reason})") from None
+    entry = {"id": record.get("id", default_id), "messages": messages}
+    return entry | ({"tools": tools} if tools else {})
 
 
 def agentic(conversation: dict) -> bool:

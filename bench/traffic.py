@@ -76,7 +76,7 @@ class Traffic:
         n = len(self.conversations)
         batch = [self.conversations[(self.position + i) % n] for i in range(self.concurrency)]
         questions = [first_turn_prompt(c["messages"]) for c in batch]
-        prompts = [prompt_token_ids(self.tokenizer, q) for q in questions]
+        prompts = [prompt_token_ids(self.tokenizer, q, c.get("tools")) for q, c in zip(questions, batch)]
         results, _ = asyncio.run(
             run_load(
                 self.url, self.model, prompts, self.concurrency, self.max_tokens, self.temperature,
@@ -91,6 +91,8 @@ class Traffic:
                     continue
                 answer = {"role": "assistant", "content": result.text}
                 record = {"id": conversation["id"], "messages": [*question, answer]}
+                if conversation.get("tools"):  # logged as a server logs the request
+                    record["tools"] = conversation["tools"]
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
                 self.requests += 1
         self.position += len(batch)

