@@ -1,8 +1,9 @@
 """Load the conversations of `data.source` (or every source of `data.mix`) for training.
 
 `load_conversations(cfg.data)` checks the data settings, reads each source's raw records
-(`data_prep/records.py`), turns each record into a `Conversation` shaped
-`[system] user assistant (user assistant)*` (`data_prep/conversation.py`) and keeps the usable ones.
+(`data_prep/records.py`), turns each record into a `Conversation` - `[system] user`, then assistant turns
+each answered by the user or, after a tool call, by its results; with the request's tools
+(`artifacts/conversation.py`) - and keeps the usable ones.
 Records that cannot be used are skipped and counted by reason; a conversation identical to an earlier
 one (after normalisation, whatever its id or file) is kept once (`duplicate_conversation`). Truncated or
 corrupt JSON files keep their complete records and are reported (or raise, with `strict=true`), because
