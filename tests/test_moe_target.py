@@ -24,10 +24,8 @@ def moe_run(tmp_path_factory):
     return run_dir
 
 
-def test_a_moe_target_is_captured_through_transformers_and_trained_online_alike(moe_run, tmp_path):
+def test_a_moe_target_is_captured_through_transformers(moe_run):
     from transformers import AutoModelForCausalLM
-
-    from train.main import run as train
 
     manifest = read_manifest(moe_run / "cache")
     assert manifest["architecture"] == "Qwen3MoeForCausalLM"
@@ -38,9 +36,14 @@ def test_a_moe_target_is_captured_through_transformers_and_trained_online_alike(
     for k, layer_id in enumerate(AUX_IDS):
         expected = out.hidden_states[layer_id][0, :-1].to(torch.bfloat16)
         torch.testing.assert_close(sample["aux_hidden"][:-1, k], expected, atol=2e-2, rtol=2e-2)
-    # Online, the target's forward in each step (its tokens-only cache from another data_prep run) trains
-    # the head the cached states train.
+
+
+# Slow (~10 s): online training runs the dense target's code path, tested by default (tests/test_train_online.py).
+@pytest.mark.slow
+def test_online_training_on_a_moe_target_trains_the_head_its_cached_states_train(moe_run, tmp_path):
+    """Online, the target's forward in each step (its tokens-only cache from another data_prep run)."""
     from data_prep.main import run as data_prep
+    from train.main import run as train
 
     cached_dir, online_dir = tmp_path / "cached", tmp_path / "online"
     shutil.copytree(moe_run, cached_dir)
