@@ -18,7 +18,7 @@ from pathlib import Path
 from artifacts import atomic
 from artifacts.cache import file_sha256
 from artifacts.conversation import answered
-from data_prep.render import render_prompt
+from data_prep.render import TemplateDropsTools, render_prompt
 from target.answers import AnswerReader, tool_calls_of
 from target.vllm import EngineSettings, running_llm
 
@@ -169,7 +169,9 @@ def regenerate_conversations(
                 except Exception as error:  # a template may reject a record: skip it, as render_all does
                     log.warning("conversation %s: cannot render turn %d with the chat template: %s",
                                 conv.id, turn + 1, error)  # fmt: skip
-                    counts["template_error"] += 1
+                    counts[
+                        "template_drops_tools" if isinstance(error, TemplateDropsTools) else "template_error"
+                    ] += 1
                     alive[i], history[i] = False, []  # dropped whole: its earlier answers were rendered
                     if i in last:  # in a context this turn's template rejects
                         capture.discard(last.pop(i)[1])

@@ -45,6 +45,23 @@ class RenderedSample:
     truncated: bool = False  # cut to render.max_length
 
 
+class TemplateDropsTools(ValueError):
+    """A chat template that renders without the request's tools or an answer's tool calls (many templates
+    written before tool calling ignore both): its samples would train on answers the target never saw."""
+
+
+def check_tools_rendered(text: str, tools, message: dict | None = None) -> None:
+    """Every tool's name in the rendering (and every call's name in the answer's); TemplateDropsTools if not."""
+    names = [t.get("function", t).get("name") for t in tools or []]
+    names += [c["function"]["name"] for c in (message or {}).get("tool_calls") or []]
+    missing = [name for name in names if name and name not in text]
+    if missing:
+        raise TemplateDropsTools(
+            f"the chat template renders no {missing[0]!r}: it drops the request's tools or tool calls (give the "
+            "target a template that renders them: target.chat_template)"
+        )
+
+
 def render_text(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=False) -> str:
     return tokenizer.apply_chat_template(
         template_messages(messages),
@@ -68,10 +85,13 @@ def answer_segments(
         before = render_text(tokenizer, messages[:i], tools, template_kwargs, add_generation_prompt=True)
         through_full = render_text(tokenizer, messages[: i + 1], tools, template_kwargs)
         through = through_full.rstrip()
+        if text is None:  # the first request: the tools are in it (or the template dropped them)
+            check_tools_rendered(before, tools)
         if through.startswith(before):
             span = (len(before), len(through))
         else:  # a template whose generation prompt is not how it renders an answer's start
             span = _search_answer(through, message, before)
+        check_tools_rendered(through[span[0] : span[1]], None, message)
         if text is not None and through.startswith(text.rstrip()) and span[0] >= len(text.rstrip()):
             spans.append(span)
         else:
@@ -151,9 +171,13 @@ def render_all(
             rendered = render_samples(
                 tokenizer, conv.id, conv.messages, getattr(conv, "tools", None), template_kwargs
             )
+        except TemplateDropsTools as error:
+            log.warning("conversation %s: %s", conv.id, error)
+            skipped["template_drops_tools"] += 1
+            continue
         except (
             Exception
-        ) as error:  # a template may raise on content it rejects; one record must not stop the run
+        ) as error:  # a template may raise on what it rejects: one record must not stop the run
             log.warning("conversation %s: cannot render with the chat template: %s", conv.id, error)
             skipped["template_error"] += 1
             continue

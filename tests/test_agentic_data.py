@@ -4,6 +4,8 @@ turn with the server's parsers."""
 
 from types import SimpleNamespace
 
+from pathlib import Path
+
 import pytest
 
 from artifacts.config import DataConfig
@@ -299,3 +301,21 @@ def test_the_agent_workload_sends_every_request_of_its_conversations_with_their_
     assert texts[0].endswith(first["messages"][-4]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
     assert "<tool_response>" in texts[1] and texts[1].startswith(texts[0])
     assert workload_prompts("agent", tokenizer, tmp_path, 7) == prompts  # the same requests every run
+
+
+def test_a_template_that_drops_tools_is_refused_per_conversation_and_counted(conversations):
+    """SmolLM2's own template renders neither `tools` nor `tool_calls`: its samples would train on empty
+    answers, so they are skipped as `template_drops_tools`; its tools template renders both."""
+    from artifacts.assets import SMOLLM2_CHAT_TEMPLATE
+    from artifacts.config.resolvers import _chat_template
+    from data_prep.render import render_all
+
+    tokenizer = build_tokenizer()
+    chosen = [conversations[k] for k in ("weather-one-call", "long-reasoning")]
+    tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+    samples, skipped, _ = render_all(tokenizer, chosen, 2048, "truncate")
+    assert [s.id for s in samples] == ["long-reasoning"] and skipped == {"template_drops_tools": 1}
+    tokenizer.chat_template = Path(_chat_template("smollm2_tools.jinja")).read_text()
+    samples, skipped, _ = render_all(tokenizer, chosen, 2048, "truncate")
+    assert [s.id for s in samples] == ["weather-one-call", "long-reasoning"] and not skipped
+    assert '"name": "get_weather", "arguments": {"city": "Paris"}' in runs(tokenizer, samples[0])[0]
