@@ -2,9 +2,8 @@
 target's thinking-and-tools template (artifacts/smoke.py) and masked token by token; regenerated turn by
 turn with the server's parsers."""
 
-from types import SimpleNamespace
-
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
