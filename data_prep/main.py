@@ -106,6 +106,12 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
     } | ({"chat_template_kwargs": served_template_kwargs(cfg)} if served_template_kwargs(cfg) else {})
 
 
+def chat_template_file(target_cfg) -> str | None:
+    """`target.chat_template` when it names a file (absolute), what `vllm serve --chat-template` takes."""
+    path = Path(target_cfg.chat_template or "").expanduser()
+    return str(path.resolve()) if target_cfg.chat_template and path.is_file() else None
+
+
 def cache_is_complete(cache_dir: Path) -> bool:
     path = cache_dir / MANIFEST_NAME
     return path.exists() and json.loads(path.read_text()).get("complete") is True
@@ -313,6 +319,7 @@ def run(cfg: DictConfig) -> dict:
             "target_path": str(cfg.target.path),
             "target_dtype": cfg.target.dtype,
             "chat_template_kwargs": served_template_kwargs(cfg),  # the thinking mode: in the head's record
+            "chat_template": chat_template_file(cfg.target),  # the card serves with it
             "architecture": (target_config.architectures or ["?"])[0],
             "data_source": describe_sources(cfg.data),
             "num_samples": {split: len(samples[split]) for split in SPLITS},

@@ -165,6 +165,7 @@ def model_card(
     training = head_config.get("training", {})
     settings = training.get("settings", {})
     speculative = speculative_config(kind, export_dir, num_speculative_tokens)
+    serve_args = {**served_chat(cache), **serve_args}  # eval's own flags win
     target_path = Path(target["path"]).expanduser()
     target_path = str(target_path.resolve()) if target_path.exists() else target["path"]  # else a hub name
     name, mode = head_kind(kind).title, head_kind(kind).drafting
@@ -340,6 +341,15 @@ def temperature_text(regeneration: dict | None) -> str:
     if len(temperatures) > 1:
         return f"0 and {sampled}, one of them greedy): for both"
     return f"{sampled}): for traffic sampled at {temperatures[-1]:g}"
+
+
+def served_chat(cache: dict) -> dict:
+    """`vllm serve` flags that serve requests as the head was trained: the chat template its data was
+    rendered with (a file given as target.chat_template) and the thinking mode (chat-template kwargs)."""
+    flags = {"chat-template": cache.get("chat_template")} if cache.get("chat_template") else {}
+    if cache.get("chat_template_kwargs"):
+        flags["default-chat-template-kwargs"] = cache["chat_template_kwargs"]
+    return flags
 
 
 def thinking_text(kwargs: dict | None) -> str:

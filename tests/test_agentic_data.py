@@ -318,3 +318,26 @@ def test_a_template_that_drops_tools_is_refused_per_conversation_and_counted(con
     samples, skipped, _ = render_all(tokenizer, chosen, 2048, "truncate")
     assert [s.id for s in samples] == ["weather-one-call", "long-reasoning"] and not skipped
     assert '"name": "get_weather", "arguments": {"city": "Paris"}' in runs(tokenizer, samples[0])[0]
+
+
+# Slow (~2 min: a vLLM engine regenerating 20 conversations turn by turn): the agentic parts run by default
+# above on the same parsers and template with a replayed engine; this is the path `experiment=smoke_agent`
+# runs, end to end in data_prep (docs/recipe.md#agents has the whole smoke run, train to eval).
+@pytest.mark.slow
+def test_the_agent_smoke_run_regenerates_and_captures_in_one_pass_through_vllm(tmp_path):
+    pytest.importorskip("vllm")
+    from artifacts.cache import CacheSplit
+    from artifacts.manifest import read_manifest
+    from data_prep.main import run
+    from tests.helpers import smoke_config
+
+    overrides = ["capture.engine=vllm", "data.mix.0.num_samples=8", "regen.max_new_tokens=24"]
+    manifest = run(smoke_config(tmp_path, *overrides, experiment="smoke_agent"))
+    record = manifest["regeneration_record"]
+    assert manifest["skipped"] == {} and manifest["regeneration"]["tool_parser"] == "hermes"
+    assert (
+        record["tool_call_diverged"] == 8
+    )  # the random target calls no tool: each call turn ends its conversation
+    ids = CacheSplit(tmp_path / "cache", "train").ids + CacheSplit(tmp_path / "cache", "eval").ids
+    assert any("/turn" in i for i in ids)  # a request whose history the template rewrote is its own sample
+    assert read_manifest(tmp_path / "cache")["chat_template_kwargs"] == {}

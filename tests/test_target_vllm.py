@@ -172,3 +172,18 @@ def test_the_cpu_and_gpu_builds_of_vllm_installed_together_are_refused(monkeypat
         llm_kwargs(EngineSettings("/t"))
     with pytest.raises(RuntimeError, match="never both extras"):
         serve_argv(EngineSettings("/t"))
+
+
+def test_the_card_serves_with_the_template_and_thinking_mode_the_head_was_trained_with(tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text("{{ messages }}")
+    cache = {"chat_template": str(template), "chat_template_kwargs": {"enable_thinking": False}}
+    head = {"kind": "eagle3", "config": {"hidden_size": 64, "vocab_size": 128}, "target": {"path": "hub/t"},
+            "cache": cache}  # fmt: skip
+    card = model_card("/runs/x/export", SERVER_ARGS, head, {}, "plain", "bfloat16", 2)
+    printed = shlex.split(card.split("```bash\n", 1)[1].split("\n```", 1)[0])
+    assert printed[printed.index("--chat-template") + 1] == str(template)
+    assert json.loads(printed[printed.index("--default-chat-template-kwargs") + 1]) == {
+        "enable_thinking": False
+    }
+    assert '`chat_template_kwargs` {"enable_thinking": false}' in card
