@@ -148,18 +148,23 @@ def template_messages(messages: list[dict]) -> list[dict]:
     ]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:
-    """A request's chat-template token ids, ending in the assistant's generation prompt: its messages as
-    they are, its tools and the template kwargs it is served with."""
-    ids = tokenizer.apply_chat_template(
+def apply_template(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=True,
+                   tokenize=True):  # fmt: skip
+    """The chat template on a request as the server applies it: its messages (template_messages), its tools
+    and the template kwargs it is served with; text, or token ids with `tokenize`."""
+    return tokenizer.apply_chat_template(
         template_messages(messages),
         tools=tools,
-        add_generation_prompt=True,
-        tokenize=True,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=tokenize,
         return_dict=False,
         **(template_kwargs or {}),
     )
-    return list(ids)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:
+    """A request's chat-template token ids, ending in the assistant's generation prompt."""
+    return list(apply_template(tokenizer, messages, tools, template_kwargs))
 
 
 def prompt_token_ids(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:

@@ -103,7 +103,7 @@ def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, da
         # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
         # regeneration writes each chunk's)
         "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
-    } | ({"chat_template_kwargs": served_template_kwargs(cfg)} if served_template_kwargs(cfg) else {})
+    } | ({"chat_template_kwargs": kwargs} if (kwargs := served_template_kwargs(cfg)) else {})
 
 
 def chat_template_file(target_cfg) -> str | None:
@@ -197,6 +197,7 @@ def run(cfg: DictConfig) -> dict:
     accelerator.wait_for_everyone()
 
     conversations = loaded.conversations
+    template_kwargs = served_template_kwargs(cfg)  # the thinking mode every rendering and request passes
     regen_record, chunk_shards = None, None
     tdir = str(target_dir(cfg.target))
     vllm_states_needed = cfg.capture.engine == "vllm" and cfg.cache.hidden_states
@@ -217,7 +218,7 @@ def run(cfg: DictConfig) -> dict:
                 cache_dir / "regenerated",
                 accelerator,
                 chunks,
-                served_template_kwargs(cfg),
+                template_kwargs,
             )
         log.info("regenerated answers with the target: %s", regen_record)
 
@@ -240,7 +241,7 @@ def run(cfg: DictConfig) -> dict:
                 split_convs[split],
                 cfg.render.max_length,
                 cfg.render.overlong,
-                served_template_kwargs(cfg),
+                template_kwargs,
             )
             skipped.update(split_skipped)
             num_truncated += truncated
@@ -318,7 +319,7 @@ def run(cfg: DictConfig) -> dict:
             **identity,
             "target_path": str(cfg.target.path),
             "target_dtype": cfg.target.dtype,
-            "chat_template_kwargs": served_template_kwargs(cfg),  # the thinking mode: in the head's record
+            "chat_template_kwargs": template_kwargs,  # the thinking mode: in the head's record
             "chat_template": chat_template_file(cfg.target),  # the card serves with it
             "architecture": (target_config.architectures or ["?"])[0],
             "data_source": describe_sources(cfg.data),

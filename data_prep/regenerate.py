@@ -53,7 +53,7 @@ def answer_samples(conversations: list, cfg) -> list:
     n = cfg.samples_per_prompt
     if n == 1:
         return conversations
-    return [type(c)(id=f"{c.id}#{j}", messages=c.messages, tools=getattr(c, "tools", None))
+    return [type(c)(id=f"{c.id}#{j}", messages=c.messages, tools=c.tools)
             for c in conversations for j in range(n)]  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def conversation_steps(messages: list[dict]) -> list[tuple[list[dict], dict]]:
 def check_tool_parser(conversations, cfg) -> None:
     """Regenerating a conversation with tools needs the server's tool-call parser, to read a regenerated call
     and compare it with the logged one."""
-    with_tools = next((c.id for c in conversations if getattr(c, "tools", None)
+    with_tools = next((c.id for c in conversations if c.tools
                        or any(m.get("tool_calls") for m in c.messages)), None)  # fmt: skip
     if with_tools is not None and not getattr(cfg, "tool_parser", None):
         raise ValueError(
@@ -151,7 +151,7 @@ def regenerate_conversations(
         ids = prompt.input_ids + answer
         split_id = f"{conv.id}/turn{turn}" if num_own[i] or alive[i] else conv.id
         aux, final = capture.states(output, ids, f"conversation {conv.id!r}")
-        done = type(conv)(id=conv.id, messages=history[i], tools=getattr(conv, "tools", None))
+        done = type(conv)(id=conv.id, messages=history[i], tools=conv.tools)
         sink({"id": split_id, "input_ids": ids, "loss_mask": prompt.loss_mask + [1] * len(answer),
               "aux_hidden": aux, "final_hidden": final, "conversation": done})  # fmt: skip
         num_own[i] += 1
@@ -164,7 +164,7 @@ def regenerate_conversations(
                     continue
                 messages = history[i] + steps[i][turn][0]
                 try:
-                    prompt = render_prompt(tokenizer, conv.id, messages, getattr(conv, "tools", None),
+                    prompt = render_prompt(tokenizer, conv.id, messages, conv.tools,
                                            template_kwargs)  # fmt: skip
                 except Exception as error:  # a template may reject a record: skip it, as render_all does
                     log.warning("conversation %s: cannot render turn %d with the chat template: %s",
@@ -194,7 +194,7 @@ def regenerate_conversations(
             for i, prompt, output in zip(batch, prompts, outputs):
                 completion = output.outputs[0]
                 counts[f"finish_{completion.finish_reason}"] += 1
-                answer = reader.message(completion.text, getattr(conversations[i], "tools", None))
+                answer = reader.message(completion.text, conversations[i].tools)
                 if not answered(answer):
                     counts["empty_answer"] += 1
                     alive[i] = False
@@ -224,7 +224,7 @@ def regenerate_conversations(
             if not any(m["role"] == "assistant" for m in messages):
                 counts["conversations_dropped"] += 1
                 continue
-            regenerated.append(type(conv)(id=conv.id, messages=messages, tools=getattr(conv, "tools", None)))
+            regenerated.append(type(conv)(id=conv.id, messages=messages, tools=conv.tools))
             ended_early = not ok and not diverged[i] or diverged[i] and len(messages) < len(conv.messages)
             counts["conversations_cut_short"] += int(ended_early)
             if capture is not None:
@@ -342,6 +342,6 @@ def regenerate_rank_share(
         "files": {chunk_path(c).name: file_sha256(chunk_path(c)) for c in range(len(chunks))},
     }
     kind = type(conversations[0])
-    regenerated = [kind(id=c.id, messages=by_id[c.id], tools=getattr(c, "tools", None))
+    regenerated = [kind(id=c.id, messages=by_id[c.id], tools=c.tools)
                    for c in conversations if c.id in by_id]  # fmt: skip
     return regenerated, counts, (shards if capture is not None else None)

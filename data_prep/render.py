@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from artifacts.prompts import template_messages
+from artifacts.prompts import apply_template
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,7 @@ def check_tools_rendered(text: str, tools, message: dict | None = None) -> None:
 
 
 def render_text(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(
-        template_messages(messages),
-        tools=tools,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **(template_kwargs or {}),
-    )
+    return apply_template(tokenizer, messages, tools, template_kwargs, add_generation_prompt, tokenize=False)
 
 
 def answer_segments(

@@ -50,8 +50,7 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
         regen = [f"regen.temperature={served_t:g}"]
         if served_t == 0:  # one greedy answer per prompt
             regen += ["regen.samples_per_prompt=1", "regen.include_greedy=false"]
-    served = cfg.watch.chat_template_kwargs  # JSON, checked when the watch starts (watch/main.py)
-    served_kwargs = None if served is None else json.loads(served)
+    served_kwargs = served_kwargs_of(cfg.watch)
     if served_kwargs is not None and served_kwargs != served_template_kwargs(cfg):
         same = [
             o
@@ -74,6 +73,22 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
         f"python export/main.py {same} run_dir={new_run} export.verify=true",
         f"python eval/main.py {same} run_dir={new_run}",
     ]
+
+
+def served_kwargs_of(settings) -> dict | None:
+    """watch.chat_template_kwargs read: a JSON object, or None where it is not set (a ValueError, which the
+    watch reports as bad input, for anything else)."""
+    if settings.chat_template_kwargs is None:
+        return None
+    try:
+        value = json.loads(settings.chat_template_kwargs)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"watch.chat_template_kwargs={settings.chat_template_kwargs!r}: not JSON ({error})"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"watch.chat_template_kwargs={settings.chat_template_kwargs!r}: not a JSON object")
+    return value
 
 
 def hydra_dict(values: dict) -> str:

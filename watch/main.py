@@ -47,7 +47,7 @@ from export.read_vllm import (
     thinking_note,
 )
 from export.record import read_record
-from watch.actions import actions, results_path
+from watch.actions import actions, results_path, served_kwargs_of
 from watch.alert_rules import write_rules
 from watch.expectation import (
     Expected,
@@ -169,21 +169,6 @@ def load_expected(cfg: DictConfig, head_dir: Path, k: int, prefix_holds: bool) -
         verification,
     )
     return expected_from_verification(verification, k, prefix_holds)
-
-
-def served_kwargs_of(settings) -> dict | None:
-    """watch.chat_template_kwargs read: a JSON object, or None where it is not set."""
-    if settings.chat_template_kwargs is None:
-        return None
-    try:
-        value = json.loads(settings.chat_template_kwargs)
-    except json.JSONDecodeError as error:
-        raise WatchError(
-            f"watch.chat_template_kwargs={settings.chat_template_kwargs!r}: not JSON ({error})"
-        ) from None
-    if not isinstance(value, dict):
-        raise WatchError(f"watch.chat_template_kwargs={settings.chat_template_kwargs!r}: not a JSON object")
-    return value
 
 
 def status_line(verdict: Verdict) -> str:
