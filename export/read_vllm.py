@@ -179,6 +179,9 @@ def read_export(export_dir: Path, target_embedding_VH: torch.Tensor):
         weights.pop(f"layers.{i}.hidden_norm.weight", None)  # vLLM's unused one
     draft = head_kind(kind).build(fields)
     load_weights(draft, {k: v.float() for k, v in weights.items()}, export_dir / "model.safetensors")
+    # vLLM serves an embedding the file carries (the target's is shared only when the two are equal: the
+    # same values either way); ours never carry one, speculators' do (its P-EAGLE trains it)
+    draft.own_embedding = "embed_tokens.weight" in weights
     draft.load_target_embedding(target_embedding_VH.float())
     draft_to_target = None if d2t is None else torch.arange(len(d2t)) + d2t
     return draft.float().eval(), draft_to_target

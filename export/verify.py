@@ -208,7 +208,7 @@ def format_report(report: dict) -> str:
 
 def verify_export(
     target_dir: Path,
-    head_dir: Path,
+    head_dir: Path | None,
     export_dir: Path,
     kind: str,
     prompts: list[list[int]],
@@ -220,9 +220,15 @@ def verify_export(
     export_dtype: str = "bfloat16",
     vllm_kwargs: dict | None = None,
     log_path: Path | None = None,
+    estimate: float | None = None,
 ) -> dict:
     """Run both decoders; returns the report, or raises VerificationError with it in the message.
-    `log_path`: vLLM's log (default <export_dir>/../logs/<export name>_verify.log)."""
+    `log_path`: vLLM's log (default <export_dir>/../logs/<export name>_verify.log).
+
+    `head_dir=None`: a head trained elsewhere (speculators': bench/peer_heads.py). The reference decoder
+    then drafts with the export read back as vLLM reads it (`read_export`), so a gap is a convention our
+    reader and vLLM's disagree on; there is no trained head to compare the export with, and `estimate`
+    (its held-out estimate at this k) stands in for train's."""
     import vllm
 
     if not prompts:
@@ -246,8 +252,17 @@ def verify_export(
     log.info("vLLM's log: %s", log_path)
     if served.num_drafts == 0:
         raise VerificationError(f"vLLM loaded {export_dir} but never drafted with it (no spec-decode steps)")
+    draft = None
+    if head_dir is None:
+        from types import SimpleNamespace
+
+        from export.read_vllm import read_export
+        from target.model import load_embedding_and_lm_head
+
+        target = SimpleNamespace(path=str(target_dir), dtype="float32", revision=None)
+        draft = read_export(export_dir, load_embedding_and_lm_head(target)[0])
     reference_outputs, reference = reference_acceptance(
-        target_dir, head_dir, prompts, num_draft_tokens, max_new_tokens, stop_ids, dtype, export_dtype
+        target_dir, head_dir, prompts, num_draft_tokens, max_new_tokens, stop_ids, dtype, export_dtype, draft
     )
     report = {
         "export_dir": str(export_dir),
@@ -261,8 +276,8 @@ def verify_export(
         "reference": reference.summary(),
         "vllm": served.summary(),
         "parity": compare(reference, served, tolerance),
-        "export_differences": export_differences(export_dir, head_dir, export_dtype),
-        "train_estimate": train_estimate(head_dir, num_draft_tokens),
+        "export_differences": export_differences(export_dir, head_dir, export_dtype) if head_dir else [],
+        "train_estimate": train_estimate(head_dir, num_draft_tokens) if head_dir else estimate,
         "seconds": time.perf_counter() - start,
     }
     report["collapsed"] = collapsed(served.mean_acceptance_length, report["train_estimate"])

@@ -194,8 +194,14 @@ class DraftModel(nn.Module):
 
     drafting = "chain"  # how a round is drafted: chain | block (DFlash); P-EAGLE is a chain head + `parallel`
 
+    # True when the head's file carries an embedding of its own (speculators' P-EAGLE trains it): vLLM then
+    # serves that one, not the target's (llm_base_proposer.py `_maybe_share_embeddings`), and so do we
+    own_embedding = False
+
     @torch.no_grad()
     def load_target_embedding(self, weight_VH: Tensor) -> None:
+        if self.own_embedding:
+            return
         if tuple(weight_VH.shape) != tuple(self.embed_tokens.weight.shape):
             raise ValueError(
                 f"target embedding {tuple(weight_VH.shape)} does not match the draft's "

@@ -231,23 +231,26 @@ def speculative_generate(
 
 def reference_acceptance(
     target_dir: Path,
-    head_dir: Path,
+    head_dir: Path | None,
     prompts: list[list[int]],
     num_draft_tokens: int,
     max_new_tokens: int,
     stop_ids: list[int],
     dtype: str = "float32",
     weight_dtype: str = "float32",
+    draft: tuple[DraftModel, Tensor | None] | None = None,
 ) -> tuple[list[list[int]], AcceptanceCounts]:
     """Outputs and summed counts of the reference decoder (the HF target plus our head) on `prompts`: what
-    export verification holds vLLM to, and what the recipe grid (bench/grid.py) ranks heads by."""
+    export verification holds vLLM to, and what the recipe grid (bench/grid.py) ranks heads by. `draft`
+    (a draft model and its draft-to-target ids) drafts instead of the head in `head_dir`: a head trained
+    elsewhere, read from its export as vLLM reads it (export/read_vllm.py `read_export`)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     target = (
         AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval().to(inference_device())
     )
-    head = load_head(head_dir, target, weight_dtype)
+    head = load_head(head_dir, target, weight_dtype) if draft is None else on_target(*draft, target)
     outputs, total = [], AcceptanceCounts()
     for prompt in tqdm(prompts, desc="reference decoder", unit="prompt"):
         output, counts = speculative_generate(

@@ -32,26 +32,30 @@ def held_out(head_dir: Path, run_dir: Path, k: int, overrides: list[str]) -> dic
     record, draft = load_draft(head_dir)
     settings = record.training.get("settings", {}).get("head", {})
     head = [f"head.{key}={value}" for key, value in settings.items() if isinstance(value, (int, float, str))]
-    cfg = compose(
-        "config",
-        [
-            f"run_dir={run_dir}",
-            *overrides,
-            *head,
-            f"head.kind={record.kind}",
-            f"export.num_speculative_tokens={k}",
-        ],
-    )
+    vocab = load_vocab_map(head_dir / "vocab.safetensors")
+    metrics = held_out_of(
+        draft, vocab.draft_to_target, record.cache.get("aux_layer_ids"), run_dir, k,
+        [*overrides, *head, f"head.kind={record.kind}"],
+    )  # fmt: skip
+    return {"head": str(head_dir), **metrics}
+
+
+def held_out_of(
+    draft, draft_to_target, cache_layer_ids: list[int] | None, run_dir: Path, k: int, overrides: list[str]
+) -> dict:
+    """Train's held-out metrics of any draft (one trained here, or an export read back as vLLM reads it:
+    bench/peer_heads.py) on `run_dir`'s cache, served at k; `overrides` name its head.kind and settings."""
+    cfg = compose("config", [f"run_dir={run_dir}", *overrides, f"export.num_speculative_tokens={k}"])
     embed, lm_head = load_embedding_and_lm_head(cfg.target)
     draft.load_target_embedding(embed.float())
-    vocab = load_vocab_map(head_dir / "vocab.safetensors")
-    cache_dir = run_dir / "cache"
-    model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, record.cache.get("aux_layer_ids"))
+    if draft_to_target is None:  # an unpruned vocabulary: draft ids are target ids
+        draft_to_target = torch.arange(lm_head.shape[0])
+    model = DraftWithLoss(draft, lm_head, draft_to_target, cfg, cache_layer_ids)
     with torch.no_grad():
         metrics = evaluate(
-            Accelerator(cpu=True), model, CacheSplit(cache_dir, "eval"), 4, num_loss_steps(cfg)
+            Accelerator(cpu=True), model, CacheSplit(run_dir / "cache", "eval"), 4, num_loss_steps(cfg)
         )
-    return {"head": str(head_dir), "k": k, **(metrics or {})}
+    return {"k": k, **(metrics or {})}
 
 
 def main() -> None:

@@ -1,0 +1,70 @@
+"""The peer heads (bench/peer_heads.py): speculators 0.9's own trainer fed from our cache. The adapter must
+hand it our teacher and our trained positions (a wrong convention would pass for a weak recipe), and a head
+it trains must be served by vLLM exactly as our reference decoder drafts with it."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import smoke_config
+
+speculators = pytest.importorskip("speculators")
+
+
+def test_the_adapter_gives_speculators_our_teacher_and_our_trained_positions(smoke_run):
+    """After speculators' own batch shift, its teacher (the verifier's norm and lm_head over the states it
+    is handed) is ours at every position, and it trains the prediction of x_{t+2} exactly where we do."""
+    from speculators.models.eagle3 import shift_batch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from artifacts.cache import CacheSplit
+    from bench.speculators_train import speculators_sample
+    from target.model import load_config, load_final_norm
+
+    cfg = smoke_config(smoke_run)
+    target = load_config(cfg.target)
+    norm = LlamaRMSNorm(target.hidden_size, target.rms_norm_eps)
+    norm.weight.data = load_final_norm(cfg.target)
+    split = CacheSplit(smoke_run / "cache", "train")
+    trained = 0
+    for index in range(len(split)):
+        sample = split[index]
+        t = len(sample["input_ids"])
+        item = speculators_sample(sample, norm.weight.data, None)
+        shifted = shift_batch({**item, "lengths": torch.tensor([t]), "position_ids": torch.arange(t)})
+        # aligned position j: hidden of x_j, input x_{j+1}, teacher at j+1 (predicting x_{j+2})
+        assert shifted["hidden_states"].shape == (t - 1, 3 * target.hidden_size)
+        torch.testing.assert_close(shifted["hidden_states"], sample["aux_hidden"][:-1].flatten(1))
+        assert torch.equal(shifted["input_ids"], sample["input_ids"][1:])
+        with torch.no_grad():
+            teacher_state = norm(shifted["verifier_last_hidden_states"])
+        torch.testing.assert_close(teacher_state, sample["final_hidden"][1:].float(), rtol=1e-2, atol=1e-2)
+        # ours trains the prediction at t (of x_{t+2}) where x_{t+2} is an answer token
+        ours = torch.zeros(t - 1, dtype=torch.bool)
+        ours[: t - 2] = sample["loss_mask"][2:]
+        assert torch.equal(shifted["loss_mask"].bool(), ours)
+        trained += int(ours.sum())
+    assert 0 < trained < sum(split.lengths)  # prompts are not trained, answers are
+
+
+def test_a_speculators_head_is_served_by_vllm_as_the_reference_decoder_drafts_it(regen_run, tmp_path):
+    """A P-EAGLE head trained by speculators' own Trainer on the regenerated smoke cache, saved by its own
+    save_pretrained, loads in vLLM and accepts exactly what our reference decoder, reading the same files
+    as vLLM does, accepts - and near what its held-out estimate promises (the collapse check)."""
+    from bench.peer_heads import estimate, verify_peer
+    from bench.speculators_train import train
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(regen_run, run_dir)
+    overrides = ["experiment=smoke_regen", "cache.num_threads=1", "train.num_epochs=5"]
+    record = train(run_dir, tmp_path / "peer", "peagle", 0, overrides, [])
+    export = tmp_path / "peer" / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and record["num_steps"] >= 5
+    held_out = estimate(run_dir, export, "peagle", 3, overrides)
+    report = verify_peer(run_dir, export, "peagle", 3, held_out["eval/accept_len_k3"], overrides)
+    assert report["parity"]["passed"] and report["num_identical_outputs"] == report["num_prompts"]
+    assert report["parity"]["mean_acceptance_length_relative_gap"] == 0.0
+    assert report["vllm"]["mean_acceptance_length"] > 1.1 and not report["collapsed"]
