@@ -17,8 +17,8 @@ serves; ours written by export/main.py, speculators' by its own `save_pretrained
 - both: the held-out estimate at k (train's metrics, train/held_out.py `held_out_of`) of the export read
   back as vLLM reads it, and the wall time per optimizer step on this machine, with its dtypes.
 `--tag NAME --ours-override ... / --speculators-arg ...` trains a variant (an ablation) beside the others.
-A head whose summary.json exists is not trained again; a head directory left without one (an interrupted
-run) is refused: delete it to retrain. <run_dir>/peer/results.json and results.md gather every head there.
+A head whose summary.json exists is not trained again; after an interruption a head's finished training
+is kept and the rest redone (an interrupted speculators training is refused: delete its directory). <run_dir>/peer/results.json and results.md gather every head there.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from artifacts import atomic
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINERS = ("ours", "speculators")
+# train.mixed_precision, as the table says it: fp32 master weights either way
+PRECISIONS = {"no": "float32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
 
 
 def head_dir(run_dir: Path, kind: str, trainer: str, tag: str | None, seed: int) -> Path:
@@ -55,19 +57,28 @@ def train_ours(run_dir: Path, out: Path, kind: str, seed: int, overrides: list[s
     from artifacts.config import compose
     from target.model import target_dir
 
-    out.mkdir(parents=True)
-    (out / "cache").symlink_to(run_dir / "cache", target_is_directory=True)
+    if (out / "export" / "verification.json").exists():  # trained, exported and verified before a stop
+        return ours_summary(out, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "cache").exists():
+        (out / "cache").symlink_to(run_dir / "cache", target_is_directory=True)
     target = target_dir(compose("config", [f"run_dir={run_dir}", *overrides]).target)
     stage_args = [*overrides, f"run_dir={out}", f"head.kind={kind}", f"seed={seed}", f"target.path={target}"]
     python = sys.executable
-    run([python, "train/main.py", *stage_args], out / "logs" / "train.log")
+    run([python, "train/main.py", *stage_args, "train.resume=auto"], out / "logs" / "train.log")
     run([python, "export/main.py", *stage_args, "export.verify=true"], out / "logs" / "export.log")
+    return ours_summary(out, overrides)
+
+
+def ours_summary(out: Path, overrides: list[str]) -> dict:
+    from artifacts.config import compose
+
     steps = [json.loads(line) for line in (out / "train_steps.jsonl").read_text().splitlines()]
     return {
         "num_steps": len(steps),
         "step_s_median": statistics.median(s["seconds"] for s in steps),
         "tokens_per_step_mean": statistics.mean(s["tokens"] for s in steps),
-        "compute_dtype": compose("config", [f"run_dir={out}", *overrides]).train.mixed_precision,
+        "compute_dtype": PRECISIONS[compose("config", [f"run_dir={out}", *overrides]).train.mixed_precision],
         "verification": json.loads((out / "export" / "verification.json").read_text()),
     }
 
@@ -76,8 +87,9 @@ def train_speculators(run_dir: Path, out: Path, kind: str, seed: int, overrides:
     """bench/speculators_train.py, then its export verified in vLLM against the reference decoder."""
     command = [sys.executable, "-m", "bench.speculators_train", "--run-dir", str(run_dir), "--out", str(out),
                "--kind", kind, "--seed", str(seed), *[f"--speculators-arg={a}" for a in extra], "--", *overrides]  # fmt: skip
-    out.mkdir(parents=True)
-    run(command, out / "logs" / "train.log")
+    if not (out / "speculators.json").exists():  # not trained before a stop
+        out.mkdir(parents=True, exist_ok=True)
+        run(command, out / "logs" / "train.log")
     record = json.loads((out / "speculators.json").read_text())
     return {
         "num_steps": record["num_steps"],
@@ -113,6 +125,7 @@ def verify_peer(
 
     from artifacts.config import compose
     from artifacts.prompts import held_out_prompts, stop_token_ids
+    from export.record import record_export
     from export.verify import VerificationError, verify_export
     from target.model import load_tokenizer, target_dir
 
@@ -132,6 +145,8 @@ def verify_peer(
         atomic.write_text(export_dir.parent / "verification_failed.json", json.dumps(error.report, indent=1))
         raise
     atomic.write_text(export_dir / "verification.json", json.dumps(report, indent=1))
+    note = "trained by speculators (bench/peer_heads.py): vLLM's acceptance equals the reference decoder's"
+    record_export(export_dir, True, note, str(target))  # eval and the watch check its files against it
     return report
 
 
@@ -141,8 +156,6 @@ def train_head(args, trainer: str, seed: int, overrides: list[str]) -> dict:
     summary_path = out / "summary.json"
     if summary_path.exists():
         return json.loads(summary_path.read_text())
-    if out.exists():
-        raise SystemExit(f"{out} holds an unfinished head (no summary.json): delete it to train it again")
     if trainer == "ours":
         ours = [*overrides, *args.ours_override]
         summary = train_ours(args.run_dir, out, args.kind, seed, ours)
@@ -165,7 +178,7 @@ def gather(run_dir: Path) -> list[dict]:
 
 def table(summaries: list[dict]) -> str:
     """results.md: one row per head, then per (kind, trainer, tag) the mean and spread over seeds."""
-    rows = ["| kind | trainer | seed | steps | s/step | dtype | held-out accept len | acc@0..k | vLLM = reference |",
+    rows = ["| kind | trainer | seed | steps | s/step | compute dtype | held-out accept len | acc per depth | vLLM = reference |",
             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in summaries:
         k, v = s["k"], s["verification"]

@@ -250,7 +250,7 @@ def reference_acceptance(
     target = (
         AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype]).eval().to(inference_device())
     )
-    head = load_head(head_dir, target, weight_dtype) if draft is None else on_target(*draft, target)
+    head = on_target(draft[0], target, draft[1]) if draft else load_head(head_dir, target, weight_dtype)
     outputs, total = [], AcceptanceCounts()
     for prompt in tqdm(prompts, desc="reference decoder", unit="prompt"):
         output, counts = speculative_generate(
