@@ -49,6 +49,8 @@ def test_the_adapter_gives_speculators_our_teacher_and_our_trained_positions(smo
     assert 0 < trained < sum(split.lengths)  # prompts are not trained, answers are
 
 
+# slow (make test-all): 336 s in the suite here, beside the default run's ~40 min of CI; passed 2026-11-28
+@pytest.mark.slow
 def test_a_speculators_head_is_served_by_vllm_as_the_reference_decoder_drafts_it(regen_run, tmp_path):
     """A P-EAGLE head trained by speculators' own Trainer on the regenerated smoke cache, saved by its own
     save_pretrained, loads in vLLM and accepts exactly what our reference decoder, reading the same files
