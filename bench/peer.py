@@ -166,16 +166,37 @@ def speculators_batch(batch: dict, total_seq_len: int):
     return collate(samples)
 
 
-class StepProfiles(logging.Handler):
-    """speculators' metric log records, kept: each step's profile (its _StepTimer's phases, synchronised)."""
+class StepRecords(logging.Handler):
+    """speculators' metric log records, kept: each step's profile (its _StepTimer's phases, synchronised)
+    and its training metrics (loss, accuracies)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
-        self.profiles = []
+        self.steps = []
 
     def emit(self, record):
         if isinstance(record.msg, dict) and record.msg.get("profile"):
-            self.profiles.append(record.msg["profile"])
+            self.steps.append({"profile": record.msg["profile"], "train": record.msg.get("train", {})})
+
+
+def record_steps() -> StepRecords:
+    """Keep every step speculators' trainer logs from now on (its `speculators.metrics` logger)."""
+    records = StepRecords()
+    metrics = logging.getLogger("speculators.metrics")
+    metrics.setLevel(logging.INFO)
+    metrics.addHandler(records)
+    return records
+
+
+def speculators_on_this_machine() -> None:
+    """speculators' trainer assumes an accelerator (local rank = device index, synchronised timers); on a
+    CPU its device is "cpu" and its synchronisation a no-op. Nothing changes on CUDA."""
+    if torch.cuda.is_available():
+        return
+    import speculators.train.trainer as trainer_module
+
+    trainer_module.get_local_rank = lambda: "cpu"
+    torch.accelerator.synchronize = lambda *_: None
 
 
 def run_speculators(args, device) -> dict:
@@ -213,21 +234,14 @@ def run_speculators(args, device) -> dict:
 
         for kernel in (fused.loss_forward_kernel, fused.loss_backward_kernel):
             kernel.configs = list(kernel.configs)
-    if device.type == "cpu":  # a rehearsal: its trainer assumes an accelerator (device 0, synchronised)
-        import speculators.train.trainer as trainer_module
-
-        trainer_module.get_local_rank = lambda: "cpu"
-        torch.accelerator.synchronize = lambda *_: None
-    profiles = StepProfiles()
-    metrics = logging.getLogger("speculators.metrics")
-    metrics.setLevel(logging.INFO)
-    metrics.addHandler(profiles)
+    speculators_on_this_machine()  # on a CPU, a rehearsal
+    records = record_steps()
     trainer = Trainer(model, trainer_config, loader)
     trainer.train_epoch(0)
     steps = [
         {"fwd_s": p["fwd_ms"] / 1e3, "bwd_s": p["bwd_ms"] / 1e3, "opt_s": p["opt_ms"] / 1e3,
          "h2d_s": p["h2d_ms"] / 1e3, "step_s": p["step_ms"] / 1e3}
-        for p in profiles.profiles
+        for p in (step["profile"] for step in records.steps)
     ]  # fmt: skip
     if len(steps) != num_steps:
         raise RuntimeError(f"speculators logged {len(steps)} step profiles for {num_steps} steps")

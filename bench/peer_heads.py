@@ -103,6 +103,7 @@ def train_speculators(run_dir: Path, out: Path, kind: str, seed: int, overrides:
 def estimate(run_dir: Path, export_dir: Path, kind: str, k: int, overrides: list[str]) -> dict:
     """Train's held-out metrics at k of the export as vLLM reads it (either trainer's head alike)."""
     from artifacts.config import compose
+    from artifacts.manifest import read_manifest
     from export.read_vllm import read_export
     from target.model import load_embedding_and_lm_head
     from train.held_out import held_out_of
@@ -111,7 +112,7 @@ def estimate(run_dir: Path, export_dir: Path, kind: str, k: int, overrides: list
     draft, draft_to_target = read_export(export_dir, load_embedding_and_lm_head(cfg.target)[0])
     depth = "num_depths" if kind == "peagle" else "num_ttt_steps"
     return held_out_of(
-        draft, draft_to_target, json.loads((run_dir / "cache" / "manifest.json").read_text())["aux_layer_ids"],
+        draft, draft_to_target, read_manifest(run_dir / "cache")["aux_layer_ids"],
         run_dir, k, [*overrides, f"head.kind={kind}", f"head.{depth}={k}"],
     )  # fmt: skip
 

@@ -46,10 +46,10 @@ from artifacts import atomic
 from artifacts.cache import CacheSplit
 from artifacts.config import compose
 from artifacts.vocab import load_vocab_map
+from bench.peer import record_steps, speculators_on_this_machine
 from target.model import load_final_norm, target_dir
 from train.model import head_layer_ids
 
-log = logging.getLogger("bench.speculators_train")
 # speculators' algorithm names for our head kinds (DFlash: its trainer reads the cache's layers otherwise,
 # and needs a target's last layer the cache may not hold: not adapted here)
 ALGORITHMS = {"eagle3": "eagle3", "peagle": "peagle"}
@@ -130,29 +130,6 @@ def cache_dataset(split: CacheSplit, norm_weight_H: torch.Tensor, aux_index, max
     return CacheDataset(max_len, dtype)
 
 
-class StepTimes(logging.Handler):
-    """speculators' per-step metric records: each step's profile (wall ms per phase) and its loss."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.steps = []
-
-    def emit(self, record):
-        if isinstance(record.msg, dict) and record.msg.get("profile"):
-            self.steps.append({"profile": record.msg["profile"], "train": record.msg.get("train", {})})
-
-
-def on_this_machine() -> None:
-    """speculators' trainer assumes an accelerator (local rank = device index, synchronised timers); on a
-    CPU its device is "cpu" and its synchronisation a no-op. Nothing changes on CUDA."""
-    if torch.cuda.is_available():
-        return
-    import speculators.train.trainer as trainer_module
-
-    trainer_module.get_local_rank = lambda: "cpu"
-    torch.accelerator.synchronize = lambda *_: None
-
-
 def train(run_dir: Path, out: Path, kind: str, seed: int, overrides: list[str], extra: list[str]) -> dict:
     """Train one speculators head on `run_dir`'s cache into `out` (export/ and speculators.json)."""
     from speculators.model import SpeculatorModel
@@ -174,7 +151,7 @@ def train(run_dir: Path, out: Path, kind: str, seed: int, overrides: list[str], 
     spec = TrainConfig.resolve(argv)
     args = argparse.Namespace(**spec.flatten())
     set_seed(args.seed, args.deterministic_cuda)
-    on_this_machine()
+    speculators_on_this_machine()
     d2t, t2d, vocab_size = parse_vocab_mappings(args)
     model = build_draft_model(args, SpeculatorModel.registry[args.speculator_type], t2d, d2t, vocab_size)
     hidden_dtype = getattr(torch, args.hidden_states_dtype)
@@ -194,10 +171,7 @@ def train(run_dir: Path, out: Path, kind: str, seed: int, overrides: list[str], 
         scheduler_num_cosine_cycles=args.scheduler_num_cosine_cycles, checkpoint_freq=args.checkpoint_freq,
         hidden_states_dtype=hidden_dtype, log_freq=args.log_freq, max_steps=args.max_steps,
     )  # fmt: skip
-    times = StepTimes()
-    metrics = logging.getLogger("speculators.metrics")
-    metrics.setLevel(logging.INFO)
-    metrics.addHandler(times)
+    times = record_steps()
     start = time.perf_counter()
     Trainer(model, trainer_config, loader, None).run_training()
     seconds = time.perf_counter() - start
