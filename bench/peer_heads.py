@@ -179,29 +179,31 @@ def gather(run_dir: Path) -> list[dict]:
 
 def table(summaries: list[dict]) -> str:
     """results.md: one row per head, then per (kind, trainer, tag) the mean and spread over seeds."""
-    rows = ["| kind | trainer | seed | steps | s/step | compute dtype | held-out accept len | acc per depth | vLLM = reference |",
-            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| kind | trainer | seed | steps | s/step | compute dtype | held-out accept len | at T=1 | acc per depth | vLLM = reference |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in summaries:
         k, v = s["k"], s["verification"]
         accs = " / ".join(f"{s['held_out'].get(f'eval/acc_{i}', float('nan')):.3f}" for i in range(k))
         rows.append(
             f"| {s['kind']} | {s['trainer']}{'-' + s['tag'] if s['tag'] else ''} | {s['seed']} | {s['num_steps']} | "
             f"{s['step_s_median']:.2f} | {s['compute_dtype']} | {s['held_out'][f'eval/accept_len_k{k}']:.3f} | "
-            f"{accs} | {v['vllm']['mean_acceptance_length']:.4f} = {v['reference']['mean_acceptance_length']:.4f} "
+            f"{s['held_out'].get(f'eval/accept_len_t1_k{k}', float('nan')):.3f} | {accs} | {v['vllm']['mean_acceptance_length']:.4f} = {v['reference']['mean_acceptance_length']:.4f} "
             f"(gap {v['parity']['mean_acceptance_length_relative_gap']:.2%}) |"
         )  # fmt: skip
     groups: dict[tuple, list[float]] = {}
     for s in summaries:
         key = (s["kind"], s["trainer"] + ("-" + s["tag"] if s["tag"] else ""))
-        groups.setdefault(key, []).append(s["held_out"][f"eval/accept_len_k{s['k']}"])
+        t1 = s["held_out"].get(f"eval/accept_len_t1_k{s['k']}", float("nan"))
+        groups.setdefault(key, []).append((s["held_out"][f"eval/accept_len_k{s['k']}"], t1))
     rows += [
         "",
-        "| kind | trainer | seeds | held-out accept len, mean | spread (max - min) |",
-        "|---|---|---|---|---|",
+        "| kind | trainer | seeds | held-out accept len, mean | spread (max - min) | at T=1, mean | spread |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for (kind, trainer), values in sorted(groups.items()):
-        rows.append(f"| {kind} | {trainer} | {len(values)} | {statistics.mean(values):.3f} | "
-                    f"{max(values) - min(values):.3f} |")  # fmt: skip
+    for (kind, trainer), pairs in sorted(groups.items()):
+        t0, t1 = zip(*pairs)
+        rows.append(f"| {kind} | {trainer} | {len(pairs)} | {statistics.mean(t0):.3f} | {max(t0) - min(t0):.3f} | "
+                    f"{statistics.mean(t1):.3f} | {max(t1) - min(t1):.3f} |")  # fmt: skip
     return "\n".join(rows) + "\n"
 
 
