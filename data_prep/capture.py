@@ -107,8 +107,11 @@ def capture_identity(cfg) -> dict:
     }
 
 
-def capture_record(cfg, layers: CaptureLayers) -> dict:
-    """What the manifest records about the engine that computed the states."""
+def capture_record(cfg, layers: CaptureLayers | None) -> dict:
+    """What the manifest records about the engine that computed the states; a tokens-only cache
+    (cache.hidden_states=false: no layers captured) records that none did."""
+    if layers is None and not cfg.cache.hidden_states:
+        return {"engine": None, "hidden_states": False}
     record = capture_identity(cfg)
     if cfg.capture.engine == "vllm":
         record |= {

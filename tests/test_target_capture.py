@@ -188,7 +188,10 @@ def test_online_training_refuses_vllm_states_and_says_what_to_do(smoke_run, tmp_
     shutil.copytree(smoke_run / "smoke_target", run_dir / "smoke_target")
     from data_prep.main import run as data_prep
 
-    data_prep(smoke_config(run_dir, "cache.hidden_states=false"))
+    # A tokens-only cache under capture.engine=vllm: nothing captured, and the manifest says so (it crashed
+    # at its last line before, after all the work).
+    data_prep(smoke_config(run_dir, "cache.hidden_states=false", "capture.engine=vllm"))
+    assert read_manifest(run_dir / "cache")["capture"] == {"engine": None, "hidden_states": False}
     with pytest.raises(
         ValueError, match="capture.engine=vllm.*cache.hidden_states=true.*train.features=cache"
     ):
