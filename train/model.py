@@ -66,7 +66,9 @@ class DraftWithLoss(torch.nn.Module):
         self.register_buffer("draft_to_target", draft_to_target, persistent=False)
         self.num_steps, self.chunk_size = num_loss_steps(cfg), cfg.train.teacher_chunk_size
         self.seed = cfg.seed
-        self.objective = parse_objective(cfg.train.loss, cfg.train.lk_eta, cfg.train.alpha_on)
+        self.objective = parse_objective(
+            cfg.train.loss, cfg.train.lk_eta, cfg.train.alpha_on, cfg.train.fused_loss
+        )
         self.dpace = (
             Dpace(cfg.head.dpace_a, cfg.head.dpace_norm) if cfg.head.position_weights == "dpace" else None
         )

@@ -48,17 +48,22 @@ class Objective(NamedTuple):
     terms: tuple[tuple[str, float], ...]
     eta: float = 3.0
     alpha_on_target: bool = False
+    # How it is computed, not what (`train.fused_loss`): each chunk of rows with its gradients in the forward
+    # (train/losses/rows.py `fused_rows`), or under checkpointing, recomputed in backward.
+    fused: bool = True
 
 
 KL = Objective((("kl", 1.0),))
 
 
-def parse_objective(spec: str, eta: float = 3.0, alpha_on: str = "draft_vocab") -> Objective:
+def parse_objective(
+    spec: str, eta: float = 3.0, alpha_on: str = "draft_vocab", fused: bool = True
+) -> Objective:
     """`spec` a divergence name ("kl") or a weighted sum ("0.1*kl+0.9*tv": artifacts/config/checks.py loss_terms);
     ValueError naming what is wrong."""
     if not eta >= 0:
         raise ValueError(f"train.lk_eta={eta}: must be >= 0")
-    return Objective(loss_terms(spec), float(eta), alpha_on == "target")
+    return Objective(loss_terms(spec), float(eta), alpha_on == "target", bool(fused))
 
 
 def acceptance(p_CV: Tensor, q_CV: Tensor) -> Tensor:

@@ -115,6 +115,10 @@ class TrainConfig:
     # accepts and SpecForge's LK: held out +0.4-0.8% at T=0 with nla, two seeds each) | draft_vocab (the
     # teacher renormalised over the draft vocabulary, as speculators; docs/recipe.md#temperature)
     alpha_on: str = checked("target", one_of("target", "draft_vocab"))
+    # the draft's loss rows (lm_head, log-softmax, objective) computed chunk by chunk with their gradients in
+    # the forward, nothing recomputed in backward (train/losses/rows.py fused_rows); false: checkpointed
+    # chunks, recomputed in backward (also the path under ZeRO-3, whose sharded weights it cannot take)
+    fused_loss: bool = True
     # tokens per full-vocab teacher logits chunk (memory bound)
     teacher_chunk_size: int = checked(2048, POSITIVE)
     log_every: int = checked(10, POSITIVE)  # status line (and W&B point) every N optimizer steps

@@ -206,10 +206,15 @@ def objective_rows(
 
 def draft_rows(model, objective: Objective, out_MH: Tensor, teacher: Teacher, rows_M: Tensor) -> RowLosses:
     """`objective_rows` at M outputs against the teacher rows `rows_M`, the logits computed
-    LOGIT_BUDGET_BYTES at a time (see there)."""
+    LOGIT_BUDGET_BYTES at a time: while training, each chunk with its gradients in the forward
+    (`fused_rows`, `objective.fused`) or under checkpointing; without grad, chunk by chunk."""
     m, vd = rows_M.numel(), teacher.probs_NVd.shape[1]
     chunk = max(1, LOGIT_BUDGET_BYTES // (4 * vd))
-    keep_graph = torch.is_grad_enabled() and out_MH.requires_grad and m > chunk
+    training = torch.is_grad_enabled() and out_MH.requires_grad
+    params = logit_params(model)
+    if training and objective.fused and not any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 shards them
+        return fused_rows(model, objective, out_MH, teacher, rows_M, chunk, params)
+    keep_graph = training and m > chunk
     parts = []
     for start in range(0, max(m, 1), chunk):
         rows = slice(start, start + chunk)
@@ -220,3 +225,87 @@ def draft_rows(model, objective: Objective, out_MH: Tensor, teacher: Teacher, ro
             else objective_rows(*inputs)
         )
     return RowLosses.cat(parts)
+
+
+def logit_params(model) -> list[Tensor]:
+    """The trainable weights `model.logits` reads: the final norm's and the lm_head's (a frozen lm_head: not)."""
+    return [p for module in (model.norm, model.lm_head) for p in module.parameters() if p.requires_grad]
+
+
+def fused_rows(model, objective, out_MH, teacher, rows_M, chunk: int, params: list[Tensor]) -> RowLosses:
+    """`draft_rows` while training, without recomputation: `FusedRows` (see there)."""
+    loss_M, correct_M, target_ce_M = FusedRows.apply(
+        out_MH, model, objective, teacher, rows_M, chunk, *params
+    )
+    return RowLosses(loss_M, correct_M, target_ce_M, None, None)
+
+
+class FusedRows(torch.autograd.Function):
+    """The draft's loss rows with their gradients computed in the forward, chunk by chunk: lm_head(norm(out)),
+    log-softmax and the objective of one chunk, then at once its gradients, so that no chunk's logits are
+    recomputed in backward (the checkpointed path's extra lm_head product) or kept.
+
+    Row m's loss depends on out[m] and the logit weights (`logit_params`) alone, so backward, given each
+    row's upstream gradient g_m, needs only d loss_m / d out[m] (kept, [M, H]) times g_m, and for the
+    weights sum_m g_m d loss_m / d w: with one g for every row (a position's fixed weight over its
+    denominator: every objective but D-PACE's per-prediction weights) that is g times the sum kept from
+    the forward; otherwise (D-PACE) backward recomputes each chunk for the weights' share. The forward
+    keeps the autocast it ran under for that recomputation.
+    """
+
+    @staticmethod
+    def forward(ctx, out_MH, model, objective, teacher, rows_M, chunk, *params):
+        m = rows_M.numel()
+        grads_MH = torch.zeros_like(out_MH)
+        sums = [torch.zeros_like(p) for p in params]
+        losses, correct, target_ce = [], [], []
+        for start in range(0, m, chunk):
+            rows = slice(start, start + chunk)
+            with torch.enable_grad():
+                x_CH = out_MH[rows].detach().requires_grad_()
+                part = objective_rows(model, objective, x_CH, teacher.probs_NVd, teacher.mass_N, rows_M[rows])
+                got = torch.autograd.grad(part.loss.sum(), [x_CH, *params], allow_unused=True)
+            grads_MH[rows] = got[0]
+            for total, grad in zip(sums, got[1:]):
+                if grad is not None:
+                    total += grad
+            losses.append(part.loss.detach())
+            correct.append(part.correct)
+            target_ce.append(part.target_ce)
+        device = out_MH.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.model, ctx.objective, ctx.teacher, ctx.chunk = model, objective, teacher, chunk
+        ctx.save_for_backward(out_MH, rows_M, grads_MH, *sums)
+        ctx.num_params = len(params)
+        empty = out_MH.new_empty(0)
+        loss_M = torch.cat(losses) if losses else empty
+        correct_M = torch.cat(correct) if correct else rows_M.new_empty(0, dtype=torch.bool)
+        target_ce_M = torch.cat(target_ce) if target_ce else empty
+        ctx.mark_non_differentiable(correct_M, target_ce_M)
+        return loss_M, correct_M, target_ce_M
+
+    @staticmethod
+    def backward(ctx, g_M, _correct, _target_ce):
+        out_MH, rows_M, grads_MH, *sums = ctx.saved_tensors
+        g_M = g_M.to(grads_MH.dtype)
+        d_out = grads_MH * g_M[:, None]
+        if not sums:
+            param_grads = []
+        elif g_M.numel() == 0 or bool((g_M == g_M[0]).all()):
+            param_grads = [total * g_M[0] if g_M.numel() else torch.zeros_like(total) for total in sums]
+        else:  # each row its own weight (D-PACE): the weights' share recomputed, chunk by chunk
+            params = logit_params(ctx.model)
+            param_grads = [torch.zeros_like(total) for total in sums]
+            device, enabled, dtype = ctx.autocast
+            for start in range(0, rows_M.numel(), ctx.chunk):
+                rows = slice(start, start + ctx.chunk)
+                with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                    part = objective_rows(
+                        ctx.model, ctx.objective, out_MH[rows].detach(), ctx.teacher.probs_NVd,
+                        ctx.teacher.mass_N, rows_M[rows],
+                    )  # fmt: skip
+                    got = torch.autograd.grad((part.loss * g_M[rows]).sum(), params, allow_unused=True)
+                for total, grad in zip(param_grads, got):
+                    if grad is not None:
+                        total += grad
+        return (d_out.to(out_MH.dtype), None, None, None, None, None, *param_grads)
