@@ -255,14 +255,18 @@ def child(args) -> dict:
         states = OnlineStates(target, aux_ids)
         del batch["aux_hidden"], batch["final_hidden"]
     before, _ = mark_memory(device)
-    times = [train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states)["step_s"]
-             for _ in range(args.steps)]  # fmt: skip
+    phases = [train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states)
+              for _ in range(args.steps)]  # fmt: skip
     peak = peak_memory(device)
+    fastest = min(phases[1:] or phases, key=lambda p: p["step_s"])
     predicted = step_memory(cfg, draft, target_config, args.batch_size, args.seq_len, online=args.online,
                             answer_fraction=ANSWER_FRACTION)  # fmt: skip
     recipe_batch = step_memory(cfg, draft, target_config, cfg.train.batch_size, cfg.render.max_length,
                                world=8, online=cfg.train.features == "online", answer_fraction=1.0)  # fmt: skip
-    step_s = min(times[1:] or times)
+    step_s = fastest["step_s"]
+    profiled = (
+        profile_step(args, model, optimizer, batch, cfg, device, states, fastest) if args.profile else {}
+    )
     return {
         "kind": cfg.head.kind,
         "device": device_name(device),
@@ -280,6 +284,30 @@ def child(args) -> dict:
         "recipe_batch": f"{cfg.train.batch_size} x {cfg.render.max_length}",
         "recipe_predicted_gb": round(peak_bytes(recipe_batch) / GB, 1),
         "recipe_breakdown": describe(recipe_batch),
+        **profiled,
+    }
+
+
+def profile_step(args, model, optimizer, batch, cfg, device, states, phases: dict) -> dict:
+    """bench/profile.py's measurements of this kind's step: its split by part, FLOPs a token (model and
+    recomputed), achieved TFLOP/s and MFU, the top ops; after the timed steps, so they time nothing else."""
+    from bench import profile
+
+    def step():
+        return train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states)
+
+    tokens = args.batch_size * args.seq_len
+    flops = profile.step_flops(step)
+    peak = profile.peak_flops(device)
+    achieved = flops["model"] / phases["step_s"]
+    return {
+        "split": {
+            k: round(v, 4) for k, v in profile.split(phases, profile.loss_parts(model, batch, device)).items()
+        },
+        "flops_per_token": {k: round(v / tokens) for k, v in flops.items()},
+        "achieved_tflops": round(achieved / 1e12, 3),
+        "mfu": None if peak is None else round(achieved / peak, 4),
+        "top_ops": profile.top_ops(step, device),
     }
 
 
@@ -311,6 +339,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small Llama shape: seconds, any machine")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, key=value")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also the step's split, FLOPs, MFU and top ops (bench/profile.py)",
+    )
     parser.add_argument("--predict", action="store_true", help="only the model's breakdown (ZeRO-2, 8 GPUs)")
     parser.add_argument(
         "--child", choices=list(KINDS), help="one kind in this process, its result as a JSON line"
@@ -328,7 +361,7 @@ def main() -> None:
     for kind in args.kinds:
         command = [sys.executable, "-m", "bench.memory", "--child", kind, "--recipe", args.recipe, "--steps", str(args.steps),
                    "--override", *args.override]  # fmt: skip
-        command += ["--online"] * args.online + ["--tiny"] * args.tiny
+        command += ["--online"] * args.online + ["--tiny"] * args.tiny + ["--profile"] * args.profile
         command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
         command += ["--seq-len", str(args.seq_len)] if args.seq_len else []
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
@@ -338,6 +371,10 @@ def main() -> None:
         results.append(result)
         print(f"{args.recipe} {result_line(result)}: {result['predicted_breakdown']}; recipe's "
               f"{result['recipe_batch']} on 8 GPUs: {result['recipe_breakdown']}", flush=True)  # fmt: skip
+        if args.profile:
+            from bench.profile import profile_line
+
+            print(f"{args.recipe} {profile_line(result)}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
