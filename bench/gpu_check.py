@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 # (budget in seconds on a GPU, on a CPU in --cpu mode; the modules the section's commands import).
 SECTIONS = {
     "imports": (60, 180, []),
-    "memory": (150, 240, ["bench.memory", "train.data"]),
+    "memory": (210, 300, ["bench.memory", "bench.profile", "train.data"]),  # profiled: +60 s (issue 59)
     "pipeline": (240, 600, ["artifacts.smoke", "data_prep.main", "train.main", "export.main"]),
     "zero2": (60, 180, ["artifacts.smoke", "data_prep.main", "train.main", "deepspeed", "accelerate"]),
     "golden": (60, 0, ["pytest", "train.main"]),
@@ -226,13 +226,17 @@ def check_imports(check: Check, sections: list[str]) -> dict[str, str]:
 
 
 def memory_section(check: Check, cpu: bool) -> None:
-    """One step per head kind, each the benchmark's child mode (one process, its result as a JSON line)."""
+    """One step per head kind, each the benchmark's child mode (one process, its result as a JSON line),
+    profiled (bench/profile.py); EAGLE-3 again with the fused loss rows off, and online."""
     bench = [sys.executable, "-m", "bench.memory", "--recipe", "llama31_8b"]
     bench += ["--tiny", "--steps", "1"] if cpu else ["--steps", "3"]
-    for kind, extra in [("eagle3", []), ("peagle", []), ("dflash", []), ("eagle3-online", ["--online"])]:
+    steps = [("eagle3", ["--profile"]), ("peagle", ["--profile"]), ("dflash", ["--profile"]),
+             ("eagle3-unfused", ["--profile", "--override", "train.fused_loss=false"]),
+             ("eagle3-online", ["--online"])]  # fmt: skip
+    for kind, extra in steps:
         result = check.run_json(f"memory {kind}", [*bench, "--child", kind.split("-")[0], *extra])
         if result:
-            check.result["memory"].append(result)
+            check.result["memory"].append({**result, "setting": kind})
             check.save()
 
 
@@ -322,10 +326,13 @@ def report(check: Check) -> None:
             check.say("  " + line)
     if result["memory"]:
         from bench.memory import result_line
+        from bench.profile import profile_line
 
-        check.say("per head kind, one training step (bench/memory.py):")
+        check.say("per head kind, one training step (bench/memory.py, bench/profile.py):")
         for m in result["memory"]:
-            check.say("  " + result_line(m))
+            check.say(f"  [{m.get('setting', m['kind'])}] " + result_line(m))
+            if "split" in m:
+                check.say("    " + profile_line(m))
     for name, entry in result["sections"].items():
         check.say(f"  {name:8s} {entry['status']} ({entry['seconds']:.0f} s of {entry['budget_s']})")
     steps = result["steps"]

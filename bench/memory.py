@@ -4,6 +4,8 @@ downloaded): step time, tokens/s and peak memory, against the memory model of tr
     python -m bench.memory --recipe llama31_8b --batch-size 1 --seq-len 512   # this CPU
     python -m bench.memory --recipe llama31_8b --steps 3 --online              # a GPU (recipe batch)
     python -m bench.memory --tiny                                             # seconds; tests
+    python -m bench.memory --recipe llama31_8b --kinds eagle3 --batch-size 1 --seq-len 512 --profile \
+        --lever train.fused_loss=false                                         # a lever's ratio, one run
 
 Each head kind runs in a fresh child process (this script with `--child KIND`): the recipe's composed
 config (conf/experiment/<recipe>.yaml) plus the kind's settings from docs/gpu.md (P-EAGLE: 4 layers, 4
@@ -344,6 +346,10 @@ def main() -> None:
         action="store_true",
         help="also the step's split, FLOPs, MFU and top ops (bench/profile.py)",
     )
+    parser.add_argument(
+        "--lever", nargs="*", default=[],
+        help="overrides each measured beside the default in the same run (train.fused_loss=false): step-time ratios",
+    )  # fmt: skip
     parser.add_argument("--predict", action="store_true", help="only the model's breakdown (ZeRO-2, 8 GPUs)")
     parser.add_argument(
         "--child", choices=list(KINDS), help="one kind in this process, its result as a JSON line"
@@ -358,23 +364,31 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     results = []
+    settings = [("default", [])] + [(lever, [lever]) for lever in args.lever]
     for kind in args.kinds:
-        command = [sys.executable, "-m", "bench.memory", "--child", kind, "--recipe", args.recipe, "--steps", str(args.steps),
-                   "--override", *args.override]  # fmt: skip
-        command += ["--online"] * args.online + ["--tiny"] * args.tiny + ["--profile"] * args.profile
-        command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
-        command += ["--seq-len", str(args.seq_len)] if args.seq_len else []
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-        if done.returncode != 0:
-            raise RuntimeError(f"{kind}: the benchmark's child failed:\n{done.stderr[-3000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        results.append(result)
-        print(f"{args.recipe} {result_line(result)}: {result['predicted_breakdown']}; recipe's "
-              f"{result['recipe_batch']} on 8 GPUs: {result['recipe_breakdown']}", flush=True)  # fmt: skip
-        if args.profile:
-            from bench.profile import profile_line
+        steps = {}
+        for name, extra in settings:  # each lever beside the default, one kind after the other
+            command = [sys.executable, "-m", "bench.memory", "--child", kind, "--recipe", args.recipe, "--steps", str(args.steps),
+                       "--override", *args.override, *extra]  # fmt: skip
+            command += ["--online"] * args.online + ["--tiny"] * args.tiny + ["--profile"] * args.profile
+            command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
+            command += ["--seq-len", str(args.seq_len)] if args.seq_len else []
+            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+            if done.returncode != 0:
+                raise RuntimeError(f"{kind} ({name}): the benchmark's child failed:\n{done.stderr[-3000:]}")
+            result = {**json.loads(done.stdout.strip().splitlines()[-1]), "setting": name}
+            results.append(result)
+            steps[name] = result["step_s"]
+            label = "" if name == "default" else f" [{name}]"
+            print(f"{args.recipe} {result_line(result)}{label}: {result['predicted_breakdown']}; recipe's "
+                  f"{result['recipe_batch']} on 8 GPUs: {result['recipe_breakdown']}", flush=True)  # fmt: skip
+            if args.profile:
+                from bench.profile import profile_line
 
-            print(f"{args.recipe} {profile_line(result)}", flush=True)
+                print(f"{args.recipe} {profile_line(result)}{label}", flush=True)
+        for lever in args.lever:
+            print(f"{args.recipe} {kind:7s} step time {lever} / default: {steps[lever] / steps['default']:.3f} "
+                  f"({steps[lever]:.3f} s against {steps['default']:.3f} s)", flush=True)  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

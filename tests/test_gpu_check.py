@@ -109,8 +109,10 @@ def test_the_gpu_check_runs_in_its_cpu_mode(tmp_path):
     assert all(s["ok"] for s in result["steps"])
     names = [s["step"] for s in result["steps"]]
     assert len(names) == len(set(names))
-    kinds = [(m["kind"], m["online"]) for m in result["memory"]]
-    assert kinds == [("eagle3", False), ("peagle", False), ("dflash", False), ("eagle3", True)]
+    kinds = [(m["setting"], m["online"]) for m in result["memory"]]
+    assert kinds == [("eagle3", False), ("peagle", False), ("dflash", False), ("eagle3-unfused", False),
+                     ("eagle3-online", True)]  # fmt: skip
+    assert all("split" in m and m["flops_per_token"]["model"] > 0 for m in result["memory"][:4])  # profiled
     for m in result["memory"]:
         assert m["step_s"] > 0 and m["tokens_per_s"] > 0 and m["peak_over_setup_gb"] > 0
         assert 0.3 < m["predicted_over_setup_gb"] / m["peak_over_setup_gb"] < 3  # tiny: fixed costs dominate

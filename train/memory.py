@@ -127,7 +127,11 @@ def step_memory(
         first = {"eagle3": b * t, "peagle": b * t * head.num_layers}.get(head.kind, 0)
         keys = t + (head.block_size if head.kind == "dflash" else 0)
         breakdown["activations"] += PER_SCORE * heads * max(0, queries - first) * keys
-    if rows * vd * 4 <= LOGIT_BUDGET_BYTES:  # small shapes: each drafting step's logits are kept, unchunked
+    # Small shapes, the checkpointed loss rows: each drafting step's logits are kept, unchunked. The fused
+    # rows (train.fused_loss) keep their outputs' gradients instead, as large as the outputs the checkpointed
+    # chunks keep.
+    unfused = head.kind == "eagle1" or not cfg.train.fused_loss
+    if unfused and rows * vd * 4 <= LOGIT_BUDGET_BYTES:
         outputs = queries // (head.num_layers if head.kind in ("peagle", "dflash") else 1)
         breakdown["activations"] += outputs * PER_LOGIT * vd
     if online:

@@ -134,6 +134,7 @@ def block_loss(
             out_BMJH[batch_R, row_R, k + 1],
             teacher,
             teacher.row_BT[batch_R, position_BM[batch_R, row_R] - 1],
+            weighed=dpace is not None,
         )
         slots.append((rows, eligible_BM, (batch_R, row_R)))
     return weighed_total(slots, weights, denominators, dpace)

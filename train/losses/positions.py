@@ -129,8 +129,9 @@ def depth_losses(
         # The teacher of step k at t is the target at t+1+k. Logits only at the M positions with a loss
         # (answer tokens; never where t+2+k runs past the end): prompt positions cost no lm_head work.
         rows = draft_rows(
-            model, objective, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step]
-        )
+            model, objective, out_BMH[batch_M, row_M], teacher, teacher.row_BT[batch_M, pos_M + 1 + step],
+            weighed=dpace is not None,
+        )  # fmt: skip
         positions.append((rows, eligible_BT, (batch_M, pos_M)))
     return weighed_total(positions, weights, denominators, dpace)
 

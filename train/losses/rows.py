@@ -204,16 +204,19 @@ def objective_rows(
     return RowLosses(loss_C, draft_C == target_C, target_ce_C, greedy_C, sampled_C)
 
 
-def draft_rows(model, objective: Objective, out_MH: Tensor, teacher: Teacher, rows_M: Tensor) -> RowLosses:
+def draft_rows(
+    model, objective: Objective, out_MH: Tensor, teacher: Teacher, rows_M: Tensor, weighed: bool = False
+) -> RowLosses:
     """`objective_rows` at M outputs against the teacher rows `rows_M`, the logits computed
     LOGIT_BUDGET_BYTES at a time: while training, each chunk with its gradients in the forward
-    (`fused_rows`, `objective.fused`) or under checkpointing; without grad, chunk by chunk."""
+    (`fused_rows`, `objective.fused`) or under checkpointing; without grad, chunk by chunk. `weighed`: the
+    caller weighs the rows' losses each its own way (D-PACE), so that the fused backward recomputes."""
     m, vd = rows_M.numel(), teacher.probs_NVd.shape[1]
     chunk = max(1, LOGIT_BUDGET_BYTES // (4 * vd))
     training = torch.is_grad_enabled() and out_MH.requires_grad
     params = logit_params(model)
     if training and objective.fused and not any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 shards them
-        return fused_rows(model, objective, out_MH, teacher, rows_M, chunk, params)
+        return fused_rows(model, objective, out_MH, teacher, rows_M, chunk, params, weighed)
     keep_graph = training and m > chunk
     parts = []
     for start in range(0, max(m, 1), chunk):
@@ -232,10 +235,12 @@ def logit_params(model) -> list[Tensor]:
     return [p for module in (model.norm, model.lm_head) for p in module.parameters() if p.requires_grad]
 
 
-def fused_rows(model, objective, out_MH, teacher, rows_M, chunk: int, params: list[Tensor]) -> RowLosses:
+def fused_rows(
+    model, objective, out_MH, teacher, rows_M, chunk: int, params: list[Tensor], weighed: bool
+) -> RowLosses:
     """`draft_rows` while training, without recomputation: `FusedRows` (see there)."""
     loss_M, correct_M, target_ce_M = FusedRows.apply(
-        out_MH, model, objective, teacher, rows_M, chunk, *params
+        out_MH, model, objective, teacher, rows_M, chunk, weighed, *params
     )
     return RowLosses(loss_M, correct_M, target_ce_M, None, None)
 
@@ -249,12 +254,13 @@ class FusedRows(torch.autograd.Function):
     row's upstream gradient g_m, needs only d loss_m / d out[m] (kept, [M, H]) times g_m, and for the
     weights sum_m g_m d loss_m / d w: with one g for every row (a position's fixed weight over its
     denominator: every objective but D-PACE's per-prediction weights) that is g times the sum kept from
-    the forward; otherwise (D-PACE) backward recomputes each chunk for the weights' share. The forward
-    keeps the autocast it ran under for that recomputation.
+    the forward; otherwise (D-PACE: `weighed`) backward recomputes each chunk for the weights' share, from
+    the outputs and the autocast the forward kept for it. It keeps the outputs only then: otherwise it holds
+    their gradients in their place, as much as the checkpointed path holds.
     """
 
     @staticmethod
-    def forward(ctx, out_MH, model, objective, teacher, rows_M, chunk, *params):
+    def forward(ctx, out_MH, model, objective, teacher, rows_M, chunk, weighed, *params):
         m = rows_M.numel()
         grads_MH = torch.zeros_like(out_MH)
         sums = [torch.zeros_like(p) for p in params]
@@ -275,7 +281,8 @@ class FusedRows(torch.autograd.Function):
         device = out_MH.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.model, ctx.objective, ctx.teacher, ctx.chunk = model, objective, teacher, chunk
-        ctx.save_for_backward(out_MH, rows_M, grads_MH, *sums)
+        ctx.out_dtype, ctx.weighed = out_MH.dtype, weighed
+        ctx.save_for_backward(out_MH if weighed else None, rows_M, grads_MH, *sums)
         ctx.num_params = len(params)
         empty = out_MH.new_empty(0)
         loss_M = torch.cat(losses) if losses else empty
@@ -291,7 +298,7 @@ class FusedRows(torch.autograd.Function):
         d_out = grads_MH * g_M[:, None]
         if not sums:
             param_grads = []
-        elif g_M.numel() == 0 or bool((g_M == g_M[0]).all()):
+        elif not ctx.weighed:  # one weight for every row
             param_grads = [total * g_M[0] if g_M.numel() else torch.zeros_like(total) for total in sums]
         else:  # each row its own weight (D-PACE): the weights' share recomputed, chunk by chunk
             params = logit_params(ctx.model)
@@ -308,4 +315,4 @@ class FusedRows(torch.autograd.Function):
                 for total, grad in zip(param_grads, got):
                     if grad is not None:
                         total += grad
-        return (d_out.to(out_MH.dtype), None, None, None, None, None, *param_grads)
+        return (d_out.to(ctx.out_dtype), None, None, None, None, None, None, *param_grads)
