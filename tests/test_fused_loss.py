@@ -96,3 +96,15 @@ def test_a_frozen_lm_head_and_bf16_autocast(monkeypatch):
     assert_fused_equals_checkpointed(monkeypatch, "eagle3", "kl", freeze=True)
     assert_fused_equals_checkpointed(monkeypatch, "eagle3", "lk", alpha_on="target", bf16=True)
     assert_fused_equals_checkpointed(monkeypatch, "eagle3", "kl", dpace=Dpace(0.5, "all"), bf16=True)
+
+
+def test_rows_weighed_each_their_own_way_without_saying_so_are_refused():
+    from heads.eagle3 import Eagle3Draft
+
+    model = Eagle3Draft(tiny_head_config(aux_layer_ids=[1, 2]))
+    probs = torch.softmax(torch.randn(6, 24), -1)
+    teacher = losses.Teacher(probs, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(6))
+    out = torch.randn(6, 64, requires_grad=True)
+    rows = losses.draft_rows(model, parse_objective("kl"), out, teacher, torch.arange(6))
+    with pytest.raises(RuntimeError, match="weighed=True"):
+        (rows.loss * torch.arange(6.0)).sum().backward()

@@ -283,7 +283,6 @@ class FusedRows(torch.autograd.Function):
         ctx.model, ctx.objective, ctx.teacher, ctx.chunk = model, objective, teacher, chunk
         ctx.out_dtype, ctx.weighed = out_MH.dtype, weighed
         ctx.save_for_backward(out_MH if weighed else None, rows_M, grads_MH, *sums)
-        ctx.num_params = len(params)
         empty = out_MH.new_empty(0)
         loss_M = torch.cat(losses) if losses else empty
         correct_M = torch.cat(correct) if correct else rows_M.new_empty(0, dtype=torch.bool)
@@ -299,6 +298,8 @@ class FusedRows(torch.autograd.Function):
         if not sums:
             param_grads = []
         elif not ctx.weighed:  # one weight for every row
+            if g_M.numel() and not bool((g_M == g_M[0]).all()):  # would be silently wrong: refuse
+                raise RuntimeError("draft_rows: rows weighed each their own way need weighed=True")
             param_grads = [total * g_M[0] if g_M.numel() else torch.zeros_like(total) for total in sums]
         else:  # each row its own weight (D-PACE): the weights' share recomputed, chunk by chunk
             params = logit_params(ctx.model)
