@@ -298,7 +298,8 @@ class FusedRows(torch.autograd.Function):
         if not sums:
             param_grads = []
         elif not ctx.weighed:  # one weight for every row
-            if g_M.numel() and not bool((g_M == g_M[0]).all()):  # would be silently wrong: refuse
+            # Rows weighed differently would be silently wrong: refuse (a non-finite loss is the trainer's to name).
+            if g_M.numel() and bool(g_M.isfinite().all()) and not bool((g_M == g_M[0]).all()):
                 raise RuntimeError("draft_rows: rows weighed each their own way need weighed=True")
             param_grads = [total * g_M[0] if g_M.numel() else torch.zeros_like(total) for total in sums]
         else:  # each row its own weight (D-PACE): the weights' share recomputed, chunk by chunk
