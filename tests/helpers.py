@@ -158,3 +158,37 @@ def wandb_records(run_file: Path) -> list:
 def wandb_items(items) -> dict:
     """A history / summary / config record's items as {key: value} (nested keys joined by '/')."""
     return {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in items}
+
+
+def head_and_loss(kind: str, seq_len: int = 12, **loss_kwargs):
+    """A tiny random head of `kind` and a function of it giving its training loss on a fixed batch of two
+    rows of `seq_len` (the same anchors or blocks every call); `loss_kwargs` (objective, dpace) go to the
+    kind's loss."""
+    from heads.dflash import DFlashConfig
+    from train import losses
+
+    extra = {"peagle": dict(mask_token_id=3), "dflash": dict(mask_token_id=3, block_size=4)}.get(kind, {})
+    config = tiny_head_config(DFlashConfig if kind == "dflash" else None, aux_layer_ids=[1, 2], **extra)
+    model = random_draft(config)
+    g = torch.Generator().manual_seed(3)
+    b, t = 2, seq_len
+    batch = {
+        "input_ids": torch.randint(0, config.vocab_size, (b, t), generator=g),
+        "loss_mask": torch.arange(t).expand(b, t) >= 3,
+        "aux_hidden": torch.randn(b, t, 2, config.hidden_size, generator=g),
+        "final_hidden": torch.randn(b, t, config.hidden_size, generator=g),
+    }
+    lm_head, d2t = torch.randn(config.vocab_size, config.hidden_size, generator=g), torch.arange(24)
+    common = (lm_head, d2t, 5)
+    if kind == "eagle3":
+        return model, lambda: losses.ttt_loss(model, batch, 3, 0.8, *common, **loss_kwargs)
+    gens = losses.row_generators(batch, torch.Generator().manual_seed(0))
+    if kind == "peagle":
+        anchors = losses.cod_anchors(batch, 3, 0.6, gens)
+        return model, lambda: losses.parallel_loss(
+            model, batch, 3, 0.8, *common, anchors=anchors, **loss_kwargs
+        )
+    blocks = losses.sample_blocks(batch, 4, (2, 4), gens)
+    return model, lambda: losses.block_loss(
+        model, batch, [1.0, 0.7, 0.5], *common, blocks=blocks, **loss_kwargs
+    )

@@ -13,7 +13,7 @@ import torch
 
 import train.losses as losses
 import train.losses.rows as loss_rows
-from tests.helpers import random_draft, tiny_head_config
+from tests.helpers import head_and_loss, tiny_head_config
 from train.losses import Dpace
 from train.objectives import parse_objective
 
@@ -21,38 +21,12 @@ torch.set_num_threads(1)
 
 
 def loss_and_grads(kind: str, objective, dpace=None, bf16: bool = False, freeze: bool = False):
-    """A tiny random head of `kind`, its loss on a fixed batch, and every weight's gradient."""
-    from heads.dflash import DFlashConfig
-
-    extra = {"peagle": dict(mask_token_id=3), "dflash": dict(mask_token_id=3, block_size=4)}.get(kind, {})
-    config = tiny_head_config(DFlashConfig if kind == "dflash" else None, aux_layer_ids=[1, 2], **extra)
-    model = random_draft(config)
+    """A tiny random head of `kind` (tests/helpers.py head_and_loss), its loss on a fixed batch, and every
+    weight's gradient."""
+    model, loss = head_and_loss(kind, 16, objective=objective, dpace=dpace)
     model.lm_head.weight.requires_grad_(not freeze)
-    g = torch.Generator().manual_seed(3)
-    b, t = 2, 16
-    batch = {
-        "input_ids": torch.randint(0, config.vocab_size, (b, t), generator=g),
-        "loss_mask": torch.arange(t).expand(b, t) >= 3,
-        "aux_hidden": torch.randn(b, t, 2, config.hidden_size, generator=g),
-        "final_hidden": torch.randn(b, t, config.hidden_size, generator=g),
-    }
-    lm_head, d2t = torch.randn(config.vocab_size, config.hidden_size, generator=g), torch.arange(24)
-    common = (lm_head, d2t, 5)
-    gens = losses.row_generators(batch, torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        if kind == "eagle3":
-            total, _ = losses.ttt_loss(model, batch, 3, 0.8, *common, objective=objective, dpace=dpace)
-        elif kind == "peagle":
-            anchors = losses.cod_anchors(batch, 3, 0.6, gens)
-            total, _ = losses.parallel_loss(
-                model, batch, 3, 0.8, *common, anchors=anchors, objective=objective, dpace=dpace
-            )
-        else:
-            blocks = losses.sample_blocks(batch, 4, (2, 4), gens)
-            weights = [1.0, 0.7, 0.5]
-            total, _ = losses.block_loss(
-                model, batch, weights, *common, blocks=blocks, objective=objective, dpace=dpace
-            )
+        total, _ = loss()
     total.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     return total.detach(), grads

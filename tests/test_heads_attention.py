@@ -10,7 +10,7 @@ import heads.attention as attention_module
 import train.losses as losses
 import train.losses.rows as loss_rows
 from heads.attention import attention, block_attention
-from tests.helpers import random_draft, tiny_head_config
+from tests.helpers import head_and_loss
 
 torch.set_num_threads(1)
 
@@ -126,33 +126,6 @@ def test_teacher_rows_only_where_needed():
     full, in_draft = losses.teacher_probs(final, lm_head, d2t, 4)
     torch.testing.assert_close(teacher.probs_NVd[teacher.row_BT[needed]], full[needed])
     assert in_draft[needed].eq(teacher.in_draft_BT[needed]).all() and not teacher.in_draft_BT[~needed].any()
-
-
-def head_and_loss(kind):
-    """A tiny random head of `kind` and a function of it giving its training loss on a fixed batch."""
-    from heads.dflash import DFlashConfig
-
-    extra = {"peagle": dict(mask_token_id=3), "dflash": dict(mask_token_id=3, block_size=4)}.get(kind, {})
-    config = tiny_head_config(DFlashConfig if kind == "dflash" else None, aux_layer_ids=[1, 2], **extra)
-    model = random_draft(config)
-    g = torch.Generator().manual_seed(3)
-    b, t = 2, 12
-    batch = {
-        "input_ids": torch.randint(0, config.vocab_size, (b, t), generator=g),
-        "loss_mask": torch.arange(t).expand(b, t) >= 3,
-        "aux_hidden": torch.randn(b, t, 2, config.hidden_size, generator=g),
-        "final_hidden": torch.randn(b, t, config.hidden_size, generator=g),
-    }
-    lm_head, d2t = torch.randn(config.vocab_size, config.hidden_size, generator=g), torch.arange(24)
-    common = (lm_head, d2t, 5)
-    if kind == "eagle3":
-        return model, lambda: losses.ttt_loss(model, batch, 3, 0.8, *common)
-    gens = losses.row_generators(batch, torch.Generator().manual_seed(0))
-    if kind == "peagle":  # the same anchors every call
-        anchors = losses.cod_anchors(batch, 3, 0.6, gens)
-        return model, lambda: losses.parallel_loss(model, batch, 3, 0.8, *common, anchors=anchors)
-    blocks = losses.sample_blocks(batch, 4, (2, 4), gens)
-    return model, lambda: losses.block_loss(model, batch, [1.0, 0.7, 0.5], *common, blocks=blocks)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
