@@ -8,7 +8,8 @@ one is lent (docs/gpu.md#the-gpu-check records what it printed, with the GPU, th
 It writes `<out>/gpu_check.json` after every step (a time-out or a crash keeps every number measured before
 it) and `<out>/gpu_check.log` (every step's whole output). Its sections, each with its own time budget
 inside the whole (`--budget`; SECTIONS below, docs/gpu.md#the-gpu-check says what each measures): imports,
-memory (bench/memory.py), pipeline, zero2, golden, then peer (bench/peer.py) with the time the others left.
+memory (bench/memory.py: each kind and lever profiled), peer (bench/peer.py: ours against speculators), then
+pipeline, zero2 and golden with the time the others left.
 A step that would start with less than MIN_STEP_S of either left is skipped, and the output and the JSON
 say so; a module that fails to import skips the sections that need it. `--cpu`: the same at tiny shapes and
 a step or two, one export, without the golden tests (the suite runs them). Needs no network and no vLLM:
@@ -37,13 +38,15 @@ REPO = Path(__file__).resolve().parent.parent
 # (budget in seconds on a GPU, on a CPU in --cpu mode; the modules the section's commands import).
 SECTIONS = {
     "imports": (60, 180, []),
-    "memory": (210, 300, ["bench.memory", "bench.profile", "train.data"]),  # profiled: +60 s (issue 59)
+    # The speed sections first (issue 59: a profiled step per kind and lever, ours against speculators);
+    # the correctness sections after, with what they left (each passed on an H200: docs/gpu.md).
+    "memory": (240, 420, ["bench.memory", "bench.profile", "train.data"]),
+    # speculators' first compiled steps (its Triton autotuning) took over 150 s at K=3 on an H200
+    # (2026-11-27): K=3 only, its first steps timed apart.
+    "peer": (270, 420, ["bench.peer", "speculators.train.trainer", "speculators.train.cli"]),
     "pipeline": (240, 600, ["artifacts.smoke", "data_prep.main", "train.main", "export.main"]),
     "zero2": (60, 180, ["artifacts.smoke", "data_prep.main", "train.main", "deepspeed", "accelerate"]),
     "golden": (60, 0, ["pytest", "train.main"]),
-    # Last: speculators' first compiled steps (its Triton autotuning) took over 150 s at K=3 on an H200
-    # (2026-11-27), so it takes whatever the sections above left rather than crowding them out.
-    "peer": (300, 420, ["bench.peer", "speculators.train.trainer", "speculators.train.cli"]),
 }
 BUDGET_S = {"gpu": 540, "cpu": 1800}  # the whole check: a 600-s call returns with time for its files
 MIN_STEP_S = 15  # no step starts with less left: a process start alone takes seconds
@@ -225,38 +228,64 @@ def check_imports(check: Check, sections: list[str]) -> dict[str, str]:
     return failed
 
 
+# The memory section's steps: (setting, the benchmark's arguments), each the llama31_8b recipe's EAGLE-3
+# unless named otherwise; the levers of issue 59 one at a time against the first.
+MEMORY_STEPS = [
+    ("eagle3", ["--profile"]),
+    ("eagle3-compiled", ["--profile", "--override", "train.compile=true"]),
+    ("eagle3-flex", ["--profile", "--override", "train.attention=flex"]),
+    ("eagle3-packed", ["--profile", "--override", "train.pack_length=2048"]),
+    ("eagle3-packed-flex", ["--profile", "--override", "train.pack_length=2048", "train.attention=flex"]),
+    ("peagle", ["--profile"]),
+    ("dflash", ["--profile"]),
+    ("eagle3-unfused", ["--profile", "--override", "train.fused_loss=false"]),
+    ("eagle3-online", ["--online"]),
+]
+
+
 def memory_section(check: Check, cpu: bool) -> None:
-    """One step per head kind, each the benchmark's child mode (one process, its result as a JSON line),
-    profiled (bench/profile.py); EAGLE-3 again with the fused loss rows off, and online."""
+    """One step per head kind and lever (MEMORY_STEPS), each the benchmark's child mode (one process, its
+    result as a JSON line), profiled (bench/profile.py)."""
     bench = [sys.executable, "-m", "bench.memory", "--recipe", "llama31_8b"]
     bench += ["--tiny", "--steps", "1"] if cpu else ["--steps", "3"]
-    steps = [("eagle3", ["--profile"]), ("peagle", ["--profile"]), ("dflash", ["--profile"]),
-             ("eagle3-unfused", ["--profile", "--override", "train.fused_loss=false"]),
-             ("eagle3-online", ["--online"])]  # fmt: skip
-    for kind, extra in steps:
-        result = check.run_json(f"memory {kind}", [*bench, "--child", kind.split("-")[0], *extra])
+    for setting, extra in MEMORY_STEPS:
+        if cpu and "flex" in setting:  # FlexAttention has no backward on a CPU
+            continue
+        result = check.run_json(f"memory {setting}", [*bench, "--child", setting.split("-")[0], *extra])
         if result:
-            check.result["memory"].append({**result, "setting": kind})
+            check.result["memory"].append({**result, "setting": setting})
             check.save()
 
 
+# The peer section's steps: (trainer, K, our overrides), in order; speculators at K=3, its published
+# setting, against ours as the recipe trains and with every lever on.
+PEER_STEPS = [
+    ("ours", 3, []),
+    ("speculators", 3, []),
+    ("ours", 3, ["train.compile=true", "train.attention=flex"]),
+    ("ours", 7, ["train.compile=true", "train.attention=flex"]),
+]
+
+
 def peer_section(check: Check, cpu: bool) -> None:
-    """One step per trainer and K, so that each result is kept as soon as it is measured."""
+    """One step per trainer, K and setting, so that each result is kept as soon as it is measured."""
     from bench.peer import ratios
 
     peer = check.result["peer"]
-    for k in (3, 7):
-        for trainer in ("ours", "speculators"):
-            command = [sys.executable, "-m", "bench.peer", "--child", trainer,
-                       "--ttt-steps", str(k)]  # fmt: skip
-            result = check.run_json(
-                f"peer {trainer} K={k}",
-                command + (["--tiny", "--steps", "1", "--warmup", "1"] if cpu else []),
-            )
-            if result:
-                peer["results"].append(result)
-                peer["ratios"] = ratios(peer["results"])
-                check.save()
+    for trainer, k, overrides in PEER_STEPS:
+        if cpu and any("flex" in o for o in overrides):
+            overrides = [o for o in overrides if "flex" not in o]
+        command = [sys.executable, "-m", "bench.peer", "--child", trainer, "--ttt-steps", str(k)]
+        command += ["--override", *overrides] if overrides else []
+        setting = " ".join(overrides) or "default"
+        result = check.run_json(
+            f"peer {trainer} K={k} ({setting})",
+            command + (["--tiny", "--steps", "1", "--warmup", "1"] if cpu else []),
+        )
+        if result:
+            peer["results"].append(result)
+            peer["ratios"] = ratios(peer["results"])
+            check.save()
 
 
 def stage(name: str, run_dir: Path, *overrides: str, launcher: list[str] = ()) -> list[str]:

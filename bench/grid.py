@@ -4,7 +4,7 @@
 
 Every variant of `grid.variants` (a name and overrides of the train stage's config: head.*, optim.*,
 train.*) trains `grid.max_steps` optimizer steps on <run_dir>/cache (the same cache, the same data order,
-the learning-rate schedule sized to the same budget) in <run_dir>/grid/<grid.name>/<variant>/, as a train
+the learning-rate schedule sized to the same budget; `grid.max_steps=null`: train.num_epochs each) in <run_dir>/grid/<grid.name>/<variant>/, as a train
 stage subprocess with the command's own overrides plus the variant's. Then the reference decoder (the HF
 target plus the trained head, `heads/reference_decoder.py`) drafts `grid.acceptance_prompts` held-out
 prompts with k = `grid.num_speculative_tokens`, the acceptance vLLM serves (export verification proves the
@@ -56,7 +56,7 @@ def variant_overrides(cfg, own_overrides: list[str], name: str, variant_dir: Pat
     return [
         *passed,
         f"target.path={target_dir(cfg.target)}",  # resolved here: a path relative to run_dir stays valid
-        f"train.max_steps={cfg.grid.max_steps}",
+        *([] if cfg.grid.max_steps is None else [f"train.max_steps={cfg.grid.max_steps}"]),
         "train.resume=auto",
         *cfg.grid.variants[name],
         f"run_dir={variant_dir}",
@@ -126,6 +126,13 @@ def result_row(name: str, overrides: list[str], variant_dir: Path, k: int, resul
         "variant": name,
         "overrides": overrides,
         "steps": record.training["num_steps"],
+        # the optimizer steps' own time (data, forward, backward, optimizer), without startup and evals; a
+        # step replayed after a resume counts once
+        "step_seconds": sum(
+            {
+                r["step"]: r["seconds"] for r in map(json.loads, (variant_dir / "train_steps.jsonl").open())
+            }.values()
+        ),
         "loss": [held_out[f"eval/loss_{d}"] for d in depths],
         "acc": [held_out[f"eval/acc_{d}"] for d in depths],
         "cond_acc": [held_out[f"eval/cond_acc_{d}"] for d in depths],
@@ -142,8 +149,8 @@ def results_table(rows: list[dict], k: int) -> str:
 
     lines = [
         f"| variant | overrides | held-out loss per depth | acc per depth | conditional acc | estimate k={k} "
-        f"| reference k={k} | per position | train min |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| reference k={k} | per position | steps | steps' s | train min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     key = lambda r: -(r.get("acceptance", {}).get("mean_acceptance_length") or 0)  # noqa: E731
     for r in sorted(rows, key=key):
@@ -153,6 +160,7 @@ def results_table(rows: list[dict], k: int) -> str:
             f"{numbers(r['acc'])} | {numbers(r['cond_acc'])} | {r['estimate']:.3f} | "
             + (f"{acceptance['mean_acceptance_length']:.3f} | " if acceptance else " | ")
             + (f"{numbers(acceptance['per_position_acceptance'])} | " if acceptance else " | ")
+            + f"{r['steps']} | {r['step_seconds']:.0f} | "
             + (f"{r['train_seconds'] / 60:.1f} |" if r.get("train_seconds") else " |")
         )
     return "\n".join(lines)
@@ -201,7 +209,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> list[dict]:
     k = cfg.grid.num_speculative_tokens
     table = results_table(rows, k)
     header = (
-        f"Grid `{cfg.grid.name}` on {run_dir / 'cache'}: {cfg.grid.max_steps} optimizer steps each; held-out "
+        f"Grid `{cfg.grid.name}` on {run_dir / 'cache'}: "
+        + (f"{cfg.grid.max_steps} optimizer steps each" if cfg.grid.max_steps else "train.num_epochs each")
+        + "; held-out "
         f"metrics from train's final eval; reference = the reference decoder's mean acceptance length at "
         f"k={k} on {cfg.grid.acceptance_prompts} held-out prompts x {cfg.grid.acceptance_max_new_tokens} tokens.\n\n"
     )

@@ -166,6 +166,9 @@ def predict(recipe: str, kind: str, batch_size: int | None, seq_len: int | None,
                        seq_len or cfg.render.max_length, world, zero_stage, online, answer_fraction)  # fmt: skip
 
 
+PACKED_SAMPLES = 4  # samples a packed row holds in the random batch (train.pack_length set)
+
+
 def random_batch(cfg, target_config, aux_ids, batch_size: int, seq_len: int, device) -> dict:
     """Random tokens, a quarter prompt and the rest answer, with random aux and final states (fp32, as
     `collate` gives them), drawn on `device` from one seed: the same batch for every run on that device (a
@@ -173,14 +176,22 @@ def random_batch(cfg, target_config, aux_ids, batch_size: int, seq_len: int, dev
     device = torch.device(device)
     g = torch.Generator(device).manual_seed(0)
     b, t, h = batch_size, seq_len, target_config.hidden_size
-    loss_mask = (torch.arange(t, device=device) >= round(t * (1 - ANSWER_FRACTION))).expand(b, t)
-    return {
+    # With train.pack_length, PACKED_SAMPLES samples a row, each its own quarter prompt and answer.
+    samples = PACKED_SAMPLES if cfg.train.pack_length is not None else 1
+    starts_T = torch.arange(t, device=device) // -(-t // samples) * -(-t // samples)
+    position_T = torch.arange(t, device=device) - starts_T
+    length_T = torch.minimum(starts_T + -(-t // samples), torch.tensor(t, device=device)) - starts_T
+    loss_mask = (position_T >= torch.round(length_T * (1 - ANSWER_FRACTION))).expand(b, t)
+    batch = {
         "input_ids": torch.randint(0, target_config.vocab_size, (b, t), generator=g, device=device),
         "loss_mask": loss_mask.clone(),
         "attention_mask": torch.ones(b, t, dtype=torch.long, device=device),
         "aux_hidden": torch.randn(b, t, len(aux_ids), h, generator=g, device=device),
         "final_hidden": torch.randn(b, t, h, generator=g, device=device),
     }
+    if samples > 1:
+        batch["doc_starts"] = starts_T.expand(b, t).clone()
+    return batch
 
 
 def build_model(cfg, target_config, device) -> tuple:

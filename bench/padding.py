@@ -1,7 +1,7 @@
 """How much of a training step's positions are padding: a cache's train split batched as train batches it
-(`plan_epoch`: each optimizer step's samples sorted by length, then cut into micro-batches, each padded to
-its longest), beside the same samples packed to the micro-batch's token budget (first fit, longest first:
-the padding packing would leave, docs/benchmarks.md#padding).
+(`plan_epoch`: each optimizer step's rows sorted by length, then cut into micro-batches, each padded to its
+longest), one sample a row and packed (`train.pack_length`, render.max_length when unset), beside the
+bound: every sample packed longest first (docs/benchmarks.md#padding).
 
     python -m bench.padding --run-dir runs/smollm2 -- experiment=smollm2                  # the main job
     python -m bench.padding --run-dir runs/padding --processes 8 -- experiment=smollm2 \\
@@ -34,18 +34,21 @@ def answer_counts(split: CacheSplit) -> list[int]:
     return counts
 
 
-def padded_fractions(lengths: list[int], answers: list[int], micro_batches: list[list[int]]) -> dict:
-    """{"padding", "answer"}: shares of the positions computed (each micro-batch padded to its longest)."""
-    computed = sum(len(ids) * max(lengths[i] for i in ids) for ids in micro_batches)
-    real = sum(lengths[i] for ids in micro_batches for i in ids)
+def padded_fractions(lengths: list[int], answers: list[int], micro_batches: list[list[list[int]]]) -> dict:
+    """{"padding", "answer"}: shares of the positions computed, each micro-batch's rows padded to its
+    longest (a row: its samples' tokens together)."""
+    computed = sum(len(rows) * max(sum(lengths[i] for i in row) for row in rows) for rows in micro_batches)
+    ids = [i for rows in micro_batches for row in rows for i in row]
     return {
-        "padding": 1 - real / computed,
-        "answer": sum(answers[i] for ids in micro_batches for i in ids) / computed,
+        "padding": 1 - sum(lengths[i] for i in ids) / computed,
+        "answer": sum(answers[i] for i in ids) / computed,
+        "samples_per_step": len(ids),
     }
 
 
 def packed_padding(lengths: list[int], budget: int) -> float:
-    """Padding share when the samples are packed into rows of `budget` tokens, first fit, longest first."""
+    """Padding share when all the samples are packed into rows of `budget` tokens, first fit, longest first
+    (the bound for any plan: train's packs each epoch's random order, `train.data.pack_rows`)."""
     rows: list[int] = []
     for n in sorted(lengths, reverse=True):
         for r, used in enumerate(rows):
@@ -57,26 +60,32 @@ def packed_padding(lengths: list[int], budget: int) -> float:
     return 1 - sum(lengths) / (len(rows) * budget)
 
 
-def measure(cfg, processes: int, epochs: int) -> dict:
-    split = CacheSplit(Path(cfg.run_dir).resolve() / "cache", "train", verify=False)
-    lengths, answers = split.lengths, answer_counts(split)
+def plan_fractions(lengths, answers, cfg, processes: int, epochs: int, pack_length: int | None) -> dict:
+    """`padded_fractions` of train's plan, averaged over `epochs` epochs (samples per optimizer step)."""
     b, accumulation = cfg.train.batch_size, cfg.train.gradient_accumulation_steps
     per_epoch = []
     for epoch in range(epochs):
-        plan = plan_epoch(lengths, b, processes, accumulation, cfg.seed, epoch)
-        micro = [ids for step in plan for rank in step for ids in rank]
-        per_epoch.append(padded_fractions(lengths, answers, micro))
-    budget = b * cfg.render.max_length
+        plan = plan_epoch(lengths, b, processes, accumulation, cfg.seed, epoch, pack_length)
+        micro = [rows for step in plan for rank in step for rows in rank]
+        fractions = padded_fractions(lengths, answers, micro)
+        per_epoch.append({**fractions, "samples_per_step": fractions["samples_per_step"] / len(plan)})
+    return {key: round(float(np.mean([e[key] for e in per_epoch])), 4) for key in per_epoch[0]}
+
+
+def measure(cfg, processes: int, epochs: int) -> dict:
+    split = CacheSplit(Path(cfg.run_dir).resolve() / "cache", "train", verify=False)
+    lengths, answers = split.lengths, answer_counts(split)
+    pack_length = cfg.train.pack_length or cfg.render.max_length
+    b, accumulation = cfg.train.batch_size, cfg.train.gradient_accumulation_steps
     return {
         "samples": len(lengths),
         "mean_length": round(float(np.mean(lengths)), 1),
         "max_length": cfg.render.max_length,
-        "micro_batch": f"{b} x {processes} processes x {accumulation} accumulated",
-        "padding": round(float(np.mean([e["padding"] for e in per_epoch])), 4),
-        "answer": round(float(np.mean([e["answer"] for e in per_epoch])), 4),
-        "packed_budget": budget,
-        "packed_padding": round(packed_padding(lengths, budget), 4),
-        "packed_answer": round(sum(answers) / (sum(lengths) / (1 - packed_padding(lengths, budget))), 4),
+        "micro_batch": f"{b} rows x {processes} processes x {accumulation} accumulated",
+        "one_a_row": plan_fractions(lengths, answers, cfg, processes, epochs, None),
+        "pack_length": pack_length,
+        "packed": plan_fractions(lengths, answers, cfg, processes, epochs, pack_length),
+        "packed_bound": round(packed_padding(lengths, pack_length), 4),
     }
 
 
@@ -92,11 +101,14 @@ def main() -> None:
     args = parser.parse_args()
     cfg = compose("config", [*args.overrides, f"run_dir={args.run_dir.resolve()}"])
     result = measure(cfg, args.processes, args.epochs)
+    alone, packed = result["one_a_row"], result["packed"]
     print(
         f"{result['samples']} samples, mean {result['mean_length']} tokens (max {result['max_length']}), "
-        f"{result['micro_batch']}: padding {result['padding']:.1%} of the positions computed, answers "
-        f"{result['answer']:.1%}; packed to {result['packed_budget']} tokens a row: padding "
-        f"{result['packed_padding']:.1%}, answers {result['packed_answer']:.1%}"
+        f"{result['micro_batch']}:\n  one sample a row: padding {alone['padding']:.1%} of the positions "
+        f"computed, answers {alone['answer']:.1%}, {alone['samples_per_step']:.1f} samples a step\n"
+        f"  packed (train.pack_length={result['pack_length']}): padding {packed['padding']:.1%}, answers "
+        f"{packed['answer']:.1%}, {packed['samples_per_step']:.1f} samples a step (all packed longest "
+        f"first: {result['packed_bound']:.1%})"
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ HEAD = ["head.norm_before_fc=true", "head.norm_output=true", "head.norm_before_r
 
 def setting(args, ttt_steps: int):
     """(cfg, target_config, batch_size, seq_len): the recipe with K TTT steps at the benchmark's shapes."""
-    overrides = [*HEAD, f"head.num_ttt_steps={ttt_steps}", f"train.loss={args.loss}"]
+    overrides = [*HEAD, f"head.num_ttt_steps={ttt_steps}", f"train.loss={args.loss}", *args.override]
     cfg, target_config = recipe_config(RECIPE, "eagle3", args.tiny, overrides)
     batch_size = args.batch_size or (2 if args.tiny else cfg.train.batch_size)
     seq_len = args.seq_len or (256 if args.tiny else cfg.render.max_length)
@@ -86,7 +86,7 @@ def run_ours(args, device) -> dict:
         h2d = synchronize(device) - start
         phases = train_step(model, optimizer, on_device, cfg.optim.max_grad_norm, device)
         steps.append({**phases, "h2d_s": h2d, "step_s": phases["step_s"] + h2d})
-    return summary("ours", args, steps[args.warmup :], b * t, device)
+    return summary("ours", args, steps, b * t, device)
 
 
 def speculators_model(cfg, target_config, aux_ids: list[int], ttt_steps: int, work: Path, device):
@@ -245,7 +245,7 @@ def run_speculators(args, device) -> dict:
     ]  # fmt: skip
     if len(steps) != num_steps:
         raise RuntimeError(f"speculators logged {len(steps)} step profiles for {num_steps} steps")
-    result = summary("speculators", args, steps[args.warmup :], num_tokens, device)
+    result = summary("speculators", args, steps, num_tokens, device)
     result["optimizer"] = args.speculators_optimizer
     result["loss_implementation"] = loss
     result["compiled"] = device.type == "cuda"
@@ -253,12 +253,16 @@ def run_speculators(args, device) -> dict:
     return result
 
 
-def summary(trainer: str, args, steps: list[dict], num_tokens: int, device) -> dict:
-    """Medians over the timed steps, tokens/s and the process's peak memory."""
+def summary(trainer: str, args, all_steps: list[dict], num_tokens: int, device) -> dict:
+    """Medians over the timed steps (those after `args.warmup`), tokens/s and the process's peak memory;
+    the untimed first steps' seconds apart (compilation, autotuning)."""
+    steps = all_steps[args.warmup :]
     median = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     return {
         "trainer": trainer,
+        "setting": " ".join(args.override) if trainer == "ours" and args.override else "default",
         "ttt_steps": args.ttt_steps,
+        "first_steps_s": [round(s["step_s"], 2) for s in all_steps[: args.warmup]],
         "device": device_name(device),
         "tokens": num_tokens,
         "timed_steps": len(steps),
@@ -270,13 +274,15 @@ def summary(trainer: str, args, steps: list[dict], num_tokens: int, device) -> d
 
 def ratios(results: list[dict]) -> list[dict]:
     """Per K with both trainers measured: ours over speculators in tokens/s, and in peak memory."""
-    by = {(r["trainer"], r["ttt_steps"]): r for r in results}
+    theirs_by_k = {r["ttt_steps"]: r for r in results if r["trainer"] == "speculators"}
     out = []
-    for (trainer, k), ours in by.items():
-        theirs = by.get(("speculators", k))
-        if trainer == "ours" and theirs:
+    for ours in results:
+        k = ours["ttt_steps"]
+        theirs = theirs_by_k.get(k)
+        if ours["trainer"] == "ours" and theirs:
             out.append({
                 "ttt_steps": k,
+                "setting": ours.get("setting", "default"),
                 "tokens_per_s_ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
                 "peak_memory_ratio": round(ours["peak_gb"] / theirs["peak_gb"], 3),
             })  # fmt: skip
@@ -285,13 +291,14 @@ def ratios(results: list[dict]) -> list[dict]:
 
 def result_line(r: dict) -> str:
     """One trainer's result, as the benchmark and the GPU check print it."""
-    return (f"{r['trainer']:11s} K={r['ttt_steps']} {r['tokens']} tokens on {r['device']}: {r['step_s']:.3f} s/step "
+    return (f"{r['trainer']:11s} K={r['ttt_steps']} ({r.get('setting', 'default')}) {r['tokens']} tokens on "
+            f"{r['device']}: {r['step_s']:.3f} s/step (first {r.get('first_steps_s')}) "
             f"(h2d {r['h2d_s']:.3f}, fwd {r['fwd_s']:.3f}, bwd {r['bwd_s']:.3f}, opt {r['opt_s']:.3f}), "
             f"{r['tokens_per_s']:.0f} tokens/s, peak {r['peak_gb']:.2f} GB")  # fmt: skip
 
 
 def ratio_line(r: dict) -> str:
-    return (f"K={r['ttt_steps']}: ours / speculators tokens/s {r['tokens_per_s_ratio']:.2f}x, "
+    return (f"K={r['ttt_steps']} ({r.get('setting', 'default')}): ours / speculators tokens/s {r['tokens_per_s_ratio']:.2f}x, "
             f"peak memory {r['peak_memory_ratio']:.2f}x")  # fmt: skip
 
 
@@ -313,6 +320,8 @@ def main() -> int:
     parser.add_argument("--speculators-optimizer", default="muon", choices=["muon", "adamw"],
                         help="speculators' --optimizer (its CLI's default: muon)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a small Llama shape: seconds, any machine")
+    parser.add_argument("--override", nargs="*", default=[],
+                        help="our trainer's config overrides (train.compile=true, train.attention=flex)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--child", choices=["ours", "speculators"],
                         help="one trainer at the first K in this process, its result as a JSON line")  # fmt: skip
@@ -331,6 +340,7 @@ def main() -> int:
                        str(args.steps), "--warmup", str(args.warmup), "--loss", args.loss,
                        "--speculators-optimizer", args.speculators_optimizer]  # fmt: skip
             command += ["--tiny"] * args.tiny
+            command += ["--override", *args.override] if args.override and trainer == "ours" else []
             command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
             command += ["--seq-len", str(args.seq_len)] if args.seq_len else []
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)

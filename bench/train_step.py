@@ -49,7 +49,7 @@ from artifacts.manifest import read_manifest
 from artifacts.vocab import load_vocab_map
 from target.launch import make_accelerator
 from target.model import load_config, load_embedding_and_lm_head
-from train.data import check_cache_matches_target, collate, plan_epoch
+from train.data import check_cache_matches_target, micro_batch, plan_epoch
 from train.losses import teacher_probs
 from train.model import DraftWithLoss, build_draft
 
@@ -57,7 +57,8 @@ MB = 2**20
 
 
 def setup(cfg, num_batches: int):
-    """(accelerator, model, optimizer, batches, batch_ids): the head, its optimizer and fixed micro-batches."""
+    """(accelerator, model, optimizer, batches, (split, rows, packed)): the head, its optimizer and fixed
+    micro-batches (packed with train.pack_length)."""
     accelerator = make_accelerator(cfg.process_group_timeout_s, mixed_precision=cfg.train.mixed_precision)
     cache_dir = Path(cfg.run_dir).resolve() / "cache"
     cache_manifest = read_manifest(cache_dir)
@@ -76,10 +77,11 @@ def setup(cfg, num_batches: int):
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    plan = plan_epoch(train_split.lengths, cfg.train.batch_size, 1, 1, cfg.seed, 0)
-    batch_ids = [step[0][0] for step in plan[:num_batches]]
-    batches = [collate([train_split[i] for i in ids], accelerator.device) for ids in batch_ids]
-    return accelerator, model, optimizer, batches, (train_split, batch_ids)
+    plan = plan_epoch(train_split.lengths, cfg.train.batch_size, 1, 1, cfg.seed, 0, cfg.train.pack_length)
+    batch_rows = [step[0][0] for step in plan[:num_batches]]
+    packed = cfg.train.pack_length is not None
+    batches = [micro_batch(train_split, rows, accelerator.device, packed=packed) for rows in batch_rows]
+    return accelerator, model, optimizer, batches, (train_split, batch_rows, packed)
 
 
 def set_num_ttt_steps(accelerator, model, num_steps: int) -> None:
@@ -228,7 +230,7 @@ def main() -> None:
     if ks[0] < 1:
         raise ValueError(f"--steps-list={args.steps_list}: TTT depths start at 1")
 
-    accelerator, model, optimizer, batches, (train_split, batch_ids) = setup(cfg, args.num_batches)
+    accelerator, model, optimizer, batches, (train_split, batch_rows, packed) = setup(cfg, args.num_batches)
     inner = accelerator.unwrap_model(model)
     if len(batches) < args.num_batches:
         print(f"note: the train split fills only {len(batches)} micro-batches", file=sys.stderr)
@@ -251,8 +253,8 @@ def main() -> None:
                 )
 
     def load_pass():
-        for ids in batch_ids:
-            collate([train_split[i] for i in ids], accelerator.device)
+        for rows in batch_rows:
+            micro_batch(train_split, rows, accelerator.device, packed=packed)
 
     passes = {f"k{k}": training_pass(k) for k in ks} | {"teacher": teacher_pass, "load": load_pass}
     for fn in passes.values():  # warm-up: first-call allocations, AdamW state, kernel selection

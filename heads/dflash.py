@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from artifacts.config import dflash_trained_ks
-from heads.attention import KVCache, block_attention
+from heads.attention import KVCache, block_attention, document_positions
 from heads.config import AuxHeadConfig
 from heads.layers import DecoderLayer, DraftModel, RMSNorm
 
@@ -98,6 +98,7 @@ class DFlashDraft(DraftModel):
         context_BSH: Tensor,
         cache: KVCache | None = None,
         lengths_BM: Tensor | None = None,
+        documents_BS: Tensor | None = None,
     ) -> Tensor:
         """Pre-norm outputs [B, M, J, H] of M blocks; block m holds tokens at positions starts[m] .. + J - 1.
         With `lengths_BM` block m is lengths[m] <= J tokens long, as a block served with k = lengths[m] - 1:
@@ -113,9 +114,14 @@ class DFlashDraft(DraftModel):
         context_positions_BS = torch.arange(offset, offset + context_BSH.shape[1], device=device).expand(
             b, -1
         )
+        block_starts_BM, context_starts_BM = starts_BM, None
+        if documents_BS is not None:
+            context_positions_BS = document_positions(documents_BS)
+            block_starts_BM = context_positions_BS.gather(1, starts_BM)
+            context_starts_BM = documents_BS.gather(1, starts_BM)
         context_cos, context_sin = self.rope(context_positions_BS)
         context_BSH = self.hidden_norm(context_BSH.to(self.fc.weight.dtype))
-        positions_BQ = (starts_BM[..., None] + torch.arange(j, device=device)).reshape(b, m * j)
+        positions_BQ = (block_starts_BM[..., None] + torch.arange(j, device=device)).reshape(b, m * j)
         cos_BQD, sin_BQD = self.rope(positions_BQ)
         hidden_BQH = self.embed(block_ids_BMJ.reshape(b, m * j))
         kvs = cache.layers if cache is not None else [None] * len(self.layers)
@@ -135,6 +141,7 @@ class DFlashDraft(DraftModel):
                 starts_BM,
                 self.config.causal,
                 lengths_BM,
+                context_starts_BM,
             )
             hidden_BQH = layer.finish(attn_BNQD, residual_BQH)
         return hidden_BQH.view(b, m, j, -1)

@@ -160,16 +160,16 @@ def wandb_items(items) -> dict:
     return {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in items}
 
 
-def head_and_loss(kind: str, seq_len: int = 12, **loss_kwargs):
-    """A tiny random head of `kind` and a function of it giving its training loss on a fixed batch of two
-    rows of `seq_len` (the same anchors or blocks every call); `loss_kwargs` (objective, dpace) go to the
-    kind's loss."""
+def head_and_loss(kind: str, seq_len: int = 12, model=None, **loss_kwargs):
+    """A tiny random head of `kind` (or `model`, one made so before) and a function of it giving its
+    training loss on a fixed batch of two rows of `seq_len` (the same anchors or blocks every call);
+    `loss_kwargs` (objective, dpace) go to the kind's loss."""
     from heads.dflash import DFlashConfig
     from train import losses
 
     extra = {"peagle": dict(mask_token_id=3), "dflash": dict(mask_token_id=3, block_size=4)}.get(kind, {})
     config = tiny_head_config(DFlashConfig if kind == "dflash" else None, aux_layer_ids=[1, 2], **extra)
-    model = random_draft(config)
+    model = random_draft(config) if model is None else model
     g = torch.Generator().manual_seed(3)
     b, t = 2, seq_len
     batch = {
@@ -182,7 +182,7 @@ def head_and_loss(kind: str, seq_len: int = 12, **loss_kwargs):
     common = (lm_head, d2t, 5)
     if kind == "eagle3":
         return model, lambda: losses.ttt_loss(model, batch, 3, 0.8, *common, **loss_kwargs)
-    gens = losses.row_generators(batch, torch.Generator().manual_seed(0))
+    gens = losses.sample_generators(batch, torch.Generator().manual_seed(0))
     if kind == "peagle":
         anchors = losses.cod_anchors(batch, 3, 0.6, gens)
         return model, lambda: losses.parallel_loss(

@@ -297,6 +297,8 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
             ["head.kind=peagle", "head.num_depths=2"],
             "export.num_speculative_tokens=3: must be <= head.num_depths=2",
         ),
+        # A packed row must hold the longest sample.
+        (["train.pack_length=300"], "train.pack_length=300: must be >= render.max_length=512"),
         # One depth trains no mask slot: the mask state's unused parameter stops DDP at step 2.
         (
             ["head.kind=peagle", "head.num_depths=1", "export.num_speculative_tokens=1"],

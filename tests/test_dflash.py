@@ -18,7 +18,7 @@ from heads.dflash import DFlashConfig
 from heads.reference_decoder import BlockDraftState, DraftHead, DraftState, speculative_generate
 from target.model import default_aux_layer_ids
 from tests.helpers import DFLASH, QUALITY_THREADS, random_draft, smoke_config, tiny_head_config
-from train.losses import Dpace, block_forward, block_loss, loss_weights, row_generators, sample_blocks
+from train.losses import Dpace, block_forward, block_loss, loss_weights, sample_blocks, sample_generators
 
 
 def tiny_dflash_config(**overrides) -> DFlashConfig:
@@ -155,7 +155,7 @@ def test_an_overfit_learns_every_block_position():
     optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
-        blocks = sample_blocks(batch, 64, (5, 5), row_generators(batch, generator))
+        blocks = sample_blocks(batch, 64, (5, 5), sample_generators(batch, generator))
         loss, _ = block_loss(draft, batch, weights, lm_head_VH, torch.arange(40), 64, blocks=blocks)
         optimizer.zero_grad()
         loss.backward()
@@ -181,7 +181,7 @@ def test_dpace_weighs_each_prediction_by_its_blocks_reach():
     }
     batch["loss_mask"][:, :4] = False
     lm_head_VH = torch.randn(40, 64)
-    blocks = sample_blocks(batch, 5, (2, 4), row_generators(batch, torch.Generator().manual_seed(2)))
+    blocks = sample_blocks(batch, 5, (2, 4), sample_generators(batch, torch.Generator().manual_seed(2)))
 
     def loss(norm, denominators=None):
         return block_loss(

@@ -31,6 +31,8 @@ from tests.helpers import (
 from train.main import run
 from train.metrics import ESTIMATES
 
+PACKED = "train.pack_length=512"  # rows packing as many smoke samples as fit in 512 tokens
+
 
 @pytest.fixture
 def train_run(smoke_run, tmp_path):
@@ -162,7 +164,9 @@ def test_no_held_out_split_means_not_measured_never_zeros(smoke_target_dir, tmp_
     assert "Not measured: the cache has no held-out split" in card and "Offline estimate" not in card
 
 
-@pytest.mark.parametrize("head", [(), PEAGLE, DFLASH], ids=["eagle3", "peagle", "dflash"])
+@pytest.mark.parametrize(
+    "head", [(), PEAGLE, DFLASH, (*DFLASH, PACKED)], ids=["eagle3", "peagle", "dflash", "dflash_packed"]
+)
 def test_resume_reproduces_the_losses_of_an_uninterrupted_run(train_run, head):
     """P-EAGLE with COD and DFlash draw random anchors: the resumed run must draw the same ones."""
     run(train_config(train_run, *head))
@@ -207,8 +211,8 @@ def test_resume_with_other_settings_is_refused_naming_each_unless_asked(train_ru
 @pytest.mark.parametrize(
     "head",
     # EAGLE-3 under DDP is slow (~20 s): its rollout is P-EAGLE's at one depth, which runs by default
-    [pytest.param((), marks=pytest.mark.slow), PEAGLE, (*DFLASH, "head.num_anchors=8")],
-    ids=["eagle3", "peagle_cod", "dflash_capped"],
+    [pytest.param((), marks=pytest.mark.slow), PEAGLE, (*DFLASH, "head.num_anchors=8"), (*PEAGLE, PACKED)],
+    ids=["eagle3", "peagle_cod", "dflash_capped", "peagle_packed"],
 )
 def test_two_process_ddp_equals_one_process_with_the_same_global_batch(
     train_run, tmp_path, subprocess_env, head
@@ -438,6 +442,14 @@ def test_peagle_head_trains_and_warm_starts_from_an_eagle3_head(train_run, tmp_p
 def test_a_multi_layer_eagle3_head_is_refused(train_run):
     with pytest.raises(ValueError, match="head.num_layers=2: must be 1 for a eagle3 head"):
         run(train_config(train_run, "head.num_layers=2"))
+
+
+def test_flex_attention_off_cuda_is_refused_before_training(train_run):
+    with pytest.raises(
+        ValueError, match="train.attention=flex on cpu: FlexAttention's backward runs on CUDA"
+    ):
+        run(train_config(train_run, "train.attention=flex"))
+    assert not (train_run / "train_steps.jsonl").exists()
 
 
 def test_bf16_golden_losses_and_fp32_master_weights(train_run):

@@ -76,7 +76,15 @@ def test_a_tokens_only_cache_has_the_same_samples_and_no_states_in_far_fewer_byt
 
 
 @pytest.mark.parametrize(
-    "head", [(), PEAGLE, DFLASH, ("head.kind=eagle1",)], ids=["eagle3", "peagle", "dflash", "eagle1"]
+    "head",
+    [(), PEAGLE, DFLASH, ("head.kind=eagle1",), (*PEAGLE, "train.pack_length=512")],
+    ids=[
+        "eagle3",
+        "peagle",
+        "dflash",
+        "eagle1",
+        "peagle_packed",
+    ],  # packed: the target runs on each sample alone
 )
 def test_online_training_equals_cached_training(online_run, smoke_run, tmp_path, head):
     cached_dir, online_dir = fresh(smoke_run, tmp_path, "cached"), fresh(online_run, tmp_path, "online")

@@ -12,8 +12,8 @@ from train.losses import (
     cod_anchors,
     parallel_forward,
     parallel_loss,
-    row_generators,
     sample_blocks,
+    sample_generators,
     ttt_loss,
 )
 
@@ -73,7 +73,7 @@ def test_cod_anchors_are_nested_subsets_answer_positions_first():
     loss_mask[0, 10:30] = True
     loss_mask[1, 5:15] = True
     batch = {"loss_mask": loss_mask}
-    anchors = cod_anchors(batch, 4, 0.5, row_generators(batch, torch.Generator().manual_seed(0)))
+    anchors = cod_anchors(batch, 4, 0.5, sample_generators(batch, torch.Generator().manual_seed(0)))
     assert anchors[0] is None
     # ceil(n_b * 0.5^d) per row: row 0 has 20 anchors with an answer token to predict, row 1 ten.
     assert [a.index_BM.shape[1] for a in anchors[1:]] == [10, 5, 3]
@@ -105,8 +105,8 @@ def test_a_samples_draws_do_not_depend_on_its_batch():
         "draw_seeds": torch.tensor([11]),
     }
     for batch_draw in (
-        lambda batch: cod_anchors(batch, 3, 0.5, row_generators(batch))[2],
-        lambda batch: sample_blocks(batch, 5, (2, 6), row_generators(batch)),
+        lambda batch: cod_anchors(batch, 3, 0.5, sample_generators(batch))[2],
+        lambda batch: sample_blocks(batch, 5, (2, 6), sample_generators(batch)),
     ):
         in_pair, by_itself = batch_draw(pair), batch_draw(alone)
         n = int(by_itself.keep_BM.sum())
@@ -121,7 +121,7 @@ def test_subsampled_depths_equal_the_full_forward_at_their_anchors():
     ids, aux = torch.randint(0, 40, (2, 12)), torch.randn(2, 12, 2, 64)
     full = parallel_forward(model, ids, aux, [None] * 3)
     batch = {"loss_mask": torch.ones(2, 12, dtype=torch.bool)}
-    anchors = cod_anchors(batch, 3, 0.6, row_generators(batch, torch.Generator().manual_seed(3)))
+    anchors = cod_anchors(batch, 3, 0.6, sample_generators(batch, torch.Generator().manual_seed(3)))
     sub = parallel_forward(model, ids, aux, anchors)
     torch.testing.assert_close(sub[0], full[0])
     for d in (1, 2):
@@ -174,7 +174,9 @@ def test_dpace_weighs_each_depth_by_its_anchors_chain(kind):
     lm_head, d2t = torch.randn(40, 64) * 3, torch.arange(24)
     anchors = [None] * num_depths
     if kind == "peagle":
-        anchors = cod_anchors(batch, num_depths, 0.6, row_generators(batch, torch.Generator().manual_seed(3)))
+        anchors = cod_anchors(
+            batch, num_depths, 0.6, sample_generators(batch, torch.Generator().manual_seed(3))
+        )
 
     def loss(norm):
         if kind == "peagle":
@@ -306,7 +308,7 @@ def test_given_the_global_counts_the_micro_batches_losses_add_up_to_the_whole_ba
     weights = [1.0, 0.6, 0.3, 0.1]
 
     def blocks_of(batch):
-        return sample_blocks(batch, 6, (2, 5), row_generators(batch))
+        return sample_blocks(batch, 6, (2, 5), sample_generators(batch))
 
     whole_loss, _ = block_loss(dflash, whole, weights, lm_head, d2t, 7, blocks=blocks_of(whole))
     counts = sum(

@@ -38,8 +38,9 @@ def checkpoint_dirs(ckpt_dir: Path) -> list[Path]:
 
 
 TRAJECTORY_KEYS = ("seed", "head", "optim", "train.num_epochs", "train.max_steps", "train.num_samples",
-                   "train.batch_size", "train.gradient_accumulation_steps", "train.mixed_precision",
-                   "train.init_from", "train.loss", "train.lk_eta", "train.alpha_on")  # fmt: skip
+                   "train.batch_size", "train.pack_length", "train.gradient_accumulation_steps",
+                   "train.mixed_precision", "train.init_from", "train.loss", "train.lk_eta",
+                   "train.alpha_on")  # fmt: skip
 
 
 def trajectory_settings(cfg, world_size: int, dataset_fingerprint: str | None) -> dict:

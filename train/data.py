@@ -4,8 +4,10 @@ steps, padding, and the target's hidden states computed online when the cache ho
 
 The plan depends only on the sample lengths, the seed and the epoch, so a resumed run replays exactly
 the batches of an uninterrupted one, and a global batch is the same samples whatever the number of
-processes: each optimizer step takes batch_size x processes x accumulation random samples, sorts them by
-length (less padding) and deals consecutive runs of batch_size to (accumulation index, rank).
+processes: each optimizer step takes batch_size x processes x accumulation random rows - a sample each, or
+with `train.pack_length` as many as fit in that many tokens (no padding computed between them: each sees
+only itself, train/losses/ `doc_starts`) - sorts them by length (less padding) and deals consecutive runs
+of batch_size to (accumulation index, rank).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def count_steps(cfg, train_split: CacheSplit, num_processes: int) -> tuple[int, 
     steps_per_epoch = len(
         plan_epoch(
             train_lengths(cfg, train_split), cfg.train.batch_size, num_processes,
-            cfg.train.gradient_accumulation_steps, cfg.seed, 0,
+            cfg.train.gradient_accumulation_steps, cfg.seed, 0, cfg.train.pack_length,
         )
     )  # fmt: skip
     num_steps = cfg.train.num_epochs * steps_per_epoch
@@ -64,22 +66,62 @@ def count_steps(cfg, train_split: CacheSplit, num_processes: int) -> tuple[int, 
     return num_steps, steps_per_epoch
 
 
+# Packing fills a row with the first of the last this many open rows that has room (first fit over a window:
+# rows fill well whatever the data's size, in time linear in it).
+PACK_WINDOW = 64
+
+
+def pack_rows(order: list[int], lengths: list[int], pack_length: int) -> list[list[int]]:
+    """The samples in `order` packed into rows of at most `pack_length` tokens, first fit among the last
+    PACK_WINDOW rows opened; each row lists its samples in the order they came."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    open_rows: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if n > pack_length:
+            raise ValueError(
+                f"train sample {i} has {n} tokens, more than train.pack_length={pack_length}: raise "
+                "train.pack_length to render.max_length at least"
+            )
+        for r in open_rows:
+            if used[r] + n <= pack_length:
+                rows[r].append(i)
+                used[r] += n
+                break
+        else:
+            rows.append([i])
+            used.append(n)
+            open_rows = [*open_rows, len(rows) - 1][-PACK_WINDOW:]
+    return rows
+
+
 def plan_epoch(
-    lengths: list[int], batch_size: int, num_processes: int, accumulation: int, seed: int, epoch: int
-) -> list[list[list[list[int]]]]:
-    """steps[s][rank][micro] = the sample indices of one micro-batch. An incomplete last step is dropped."""
+    lengths: list[int],
+    batch_size: int,
+    num_processes: int,
+    accumulation: int,
+    seed: int,
+    epoch: int,
+    pack_length: int | None = None,
+) -> list[list[list[list[list[int]]]]]:
+    """steps[s][rank][micro] = the rows of one micro-batch, each row the sample indices it holds: one, or
+    with `pack_length` as many as fit in that many tokens (`pack_rows`, over the epoch's random order). An
+    optimizer step takes batch_size x processes x accumulation rows; an incomplete last step is dropped."""
     per_step = batch_size * num_processes * accumulation
-    if len(lengths) < per_step:
-        raise ValueError(
-            f"{len(lengths)} training samples cannot fill one optimizer step of {per_step} "
-            f"(train.batch_size={batch_size} x {num_processes} processes x "
-            f"train.gradient_accumulation_steps={accumulation}); lower them or cache more data"
-        )
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(lengths), generator=generator).tolist()
+    rows = [[i] for i in order] if pack_length is None else pack_rows(order, lengths, pack_length)
+    if len(rows) < per_step:
+        packed = "" if pack_length is None else f" of up to train.pack_length={pack_length} tokens"
+        raise ValueError(
+            f"{len(lengths)} training samples in {len(rows)} rows{packed} cannot fill one optimizer step of "
+            f"{per_step} rows (train.batch_size={batch_size} x {num_processes} processes x "
+            f"train.gradient_accumulation_steps={accumulation}); lower them or cache more data"
+        )
     steps = []
-    for start in range(0, len(order) - per_step + 1, per_step):
-        chunk = sorted(order[start : start + per_step], key=lambda i: (lengths[i], i))
+    for start in range(0, len(rows) - per_step + 1, per_step):
+        chunk = sorted(rows[start : start + per_step], key=lambda row: (sum(lengths[i] for i in row), row[0]))
         micro = [chunk[m * batch_size : (m + 1) * batch_size] for m in range(num_processes * accumulation)]
         steps.append(
             [[micro[a * num_processes + r] for a in range(accumulation)] for r in range(num_processes)]
@@ -155,10 +197,26 @@ def online_states(cfg, accelerator, train_split: CacheSplit) -> OnlineStates | N
 
 def draw_seeds(seed: int, epoch: int, ids: list[int]) -> list[int]:
     """One seed per sample for the loss's random draws (anchors, block lengths:
-    train/losses/positions.py `row_generators`), from the run's seed, the epoch and the sample's index: a
+    train/losses/positions.py `sample_generators`), from the run's seed, the epoch and the sample's index: a
     sample draws the same in any batch, process or micro-batch, so that one process and two train the
     same."""
     return [(((seed * 1_000_003) ^ (epoch * 7_919)) * 1_000_033 + i) % 2**62 for i in ids]
+
+
+def micro_batch(
+    split: CacheSplit,
+    rows: list[list[int]],
+    device,
+    states=None,
+    seeds_from: tuple[int, int] | None = None,
+    packed: bool = False,
+):
+    """One micro-batch of `plan_epoch`'s rows from the cache on `device` (`collate`): a row a sample, or
+    each row packing its samples when `packed`; with `seeds_from` (seed, epoch) each sample's `draw_seeds`."""
+    ids = [i for row in rows for i in row]
+    seeds = None if seeds_from is None else draw_seeds(*seeds_from, ids)
+    per_row = [len(row) for row in rows] if packed else None
+    return collate([split[i] for i in ids], device, states, seeds, per_row)
 
 
 def collate(
@@ -166,34 +224,64 @@ def collate(
     device,
     states: OnlineStates | None = None,
     seeds: list[int] | None = None,
+    per_row: list[int] | None = None,
 ):
-    """Right-pad samples from `CacheSplit` into one batch on `device`; hidden states as float32, from the
-    samples or, for a cache without them, from `states` (the target, online); `seeds` (`draw_seeds`) go
-    with it as draw_seeds [B] int64 on the CPU."""
+    """Right-pad samples from `CacheSplit` into one batch on `device`, one a row or, with `per_row` (how
+    many consecutive samples each row packs), several: then doc_starts [B, T] int64 says where each
+    position's sample starts in its row (a padding position: itself). Hidden states as float32, from the
+    samples or, for a cache without them, from `states` (the target, online, on the samples unpacked);
+    `seeds` (`draw_seeds`, one per sample) go with it as draw_seeds [D] int64 on the CPU."""
     lengths = [len(s["input_ids"]) for s in samples]
-    b, t = len(samples), max(lengths)
+    counts = [1] * len(samples) if per_row is None else per_row
+    if sum(counts) != len(samples):
+        raise ValueError(f"per_row={per_row} packs {sum(counts)} samples; {len(samples)} given")
+    # (row, offset in it) of every sample
+    places, row_lengths = [], []
+    for row, count in enumerate(counts):
+        offset = 0
+        for n in lengths[len(places) : len(places) + count]:
+            places.append((row, offset))
+            offset += n
+        row_lengths.append(offset)
+    b, t = len(counts), max(row_lengths)
     batch = {
         "input_ids": torch.zeros(b, t, dtype=torch.int64),
         "loss_mask": torch.zeros(b, t, dtype=torch.bool),
         "attention_mask": torch.zeros(b, t, dtype=torch.bool),
     }
-    for row, (sample, n) in enumerate(zip(samples, lengths)):
-        batch["input_ids"][row, :n] = sample["input_ids"]
-        batch["loss_mask"][row, :n] = sample["loss_mask"]
-        batch["attention_mask"][row, :n] = True
+    if per_row is not None:
+        batch["doc_starts"] = torch.arange(t).repeat(b, 1)
+    for sample, n, (row, at) in zip(samples, lengths, places):
+        batch["input_ids"][row, at : at + n] = sample["input_ids"]
+        batch["loss_mask"][row, at : at + n] = sample["loss_mask"]
+        batch["attention_mask"][row, at : at + n] = True
+        if per_row is not None:
+            batch["doc_starts"][row, at : at + n] = at
     batch = {k: v.to(device) for k, v in batch.items()}
     if seeds is not None:
         batch["draw_seeds"] = torch.tensor(seeds, dtype=torch.int64)
-    if "final_hidden" not in samples[0]:
-        if states is None:
-            raise ValueError("these samples hold no hidden states: collate needs the target (OnlineStates)")
+    if "final_hidden" in samples[0]:
+        n_aux, h = samples[0]["aux_hidden"].shape[1:]
+        aux = torch.zeros(b, t, n_aux, h, dtype=torch.float32)
+        final = torch.zeros(b, t, h, dtype=torch.float32)
+        for sample, n, (row, at) in zip(samples, lengths, places):
+            aux[row, at : at + n] = sample["aux_hidden"]
+            final[row, at : at + n] = sample["final_hidden"]
+        batch["aux_hidden"], batch["final_hidden"] = aux.to(device), final.to(device)
+        return batch
+    if states is None:
+        raise ValueError("these samples hold no hidden states: collate needs the target (OnlineStates)")
+    if per_row is None:
         batch["aux_hidden"], batch["final_hidden"] = states(batch["input_ids"], batch["attention_mask"])
         return batch
-    n_aux, h = samples[0]["aux_hidden"].shape[1:]
-    aux = torch.zeros(b, t, n_aux, h, dtype=torch.float32)
-    final = torch.zeros(b, t, h, dtype=torch.float32)
-    for row, (sample, n) in enumerate(zip(samples, lengths)):
-        aux[row, :n] = sample["aux_hidden"]
-        final[row, :n] = sample["final_hidden"]
-    batch["aux_hidden"], batch["final_hidden"] = aux.to(device), final.to(device)
+    # Packed rows: the target runs on the samples one a row (its attention knows no documents), then its
+    # states are laid out as the rows pack them.
+    alone = collate(samples, device, states)
+    aux_SLAH, final_SLH = alone["aux_hidden"], alone["final_hidden"]
+    aux = aux_SLAH.new_zeros(b, t, *aux_SLAH.shape[2:])
+    final = final_SLH.new_zeros(b, t, final_SLH.shape[-1])
+    for index, (n, (row, at)) in enumerate(zip(lengths, places)):
+        aux[row, at : at + n] = aux_SLAH[index, :n]
+        final[row, at : at + n] = final_SLH[index, :n]
+    batch["aux_hidden"], batch["final_hidden"] = aux, final
     return batch

@@ -47,9 +47,8 @@ from train.checkpoint import load_warm_start, save_checkpoint, trajectory_settin
 from train.data import (
     OnlineStates,
     check_cache_matches_target,
-    collate,
     count_steps,
-    draw_seeds,
+    micro_batch,
     online_states,
     plan_epoch,
     train_lengths,
@@ -119,6 +118,11 @@ def run(cfg: DictConfig) -> dict:
         project_dir=cfg.run_dir,
     )
     setup_logging(accelerator)
+    if cfg.train.attention == "flex" and torch.device(accelerator.device).type != "cuda":
+        raise ValueError(
+            f"train.attention=flex on {accelerator.device}: FlexAttention's backward runs on CUDA only; train "
+            "with train.attention=chunked here"
+        )
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     run_dir = Path(cfg.run_dir).resolve()
@@ -143,7 +147,8 @@ def run(cfg: DictConfig) -> dict:
     if cfg.train.init_from:
         load_warm_start(draft, Path(cfg.train.init_from), vocab)
         log.info("warm start from %s", cfg.train.init_from)
-    check_step_fits(cfg, accelerator, draft, target_config, max(train_split.lengths, default=1))
+    longest = max(train_lengths(cfg, train_split), default=1)
+    check_step_fits(cfg, accelerator, draft, target_config, cfg.train.pack_length or longest)
     model = DraftWithLoss(draft, lm_head, vocab.draft_to_target, cfg, cache_manifest["aux_layer_ids"])
     optimizer = make_optimizer(cfg, model)
     world, accumulation = accelerator.num_processes, cfg.train.gradient_accumulation_steps
@@ -160,9 +165,10 @@ def run(cfg: DictConfig) -> dict:
     if accelerator.is_main_process:
         atomic.write_text(run_dir / "train.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     start_trackers(accelerator, cfg, cache_manifest, run_dir)
+    rows = "samples" if cfg.train.pack_length is None else f"rows of up to {cfg.train.pack_length} tokens"
     log.info(
-        "training %d optimizer steps (%d per epoch, %d samples per step, %d processes), %s head, K=%d depths",
-        num_steps, steps_per_epoch, cfg.train.batch_size * world * accumulation, world, cfg.head.kind,
+        "training %d optimizer steps (%d per epoch, %d %s per step, %d processes), %s head, K=%d depths",
+        num_steps, steps_per_epoch, cfg.train.batch_size * world * accumulation, rows, world, cfg.head.kind,
         num_loss_steps(cfg),
     )  # fmt: skip
     setup = Setup(
@@ -216,22 +222,21 @@ def fit(setup: Setup, start: Start, stop: StopRequest) -> list[dict]:
     overflows = 0  # fp16 steps the loss scaler has just skipped in a row
     while step < num_steps:
         plan = plan_epoch(
-            train_lengths(cfg, train_split), cfg.train.batch_size, world, accumulation, cfg.seed, epoch
-        )
+            train_lengths(cfg, train_split), cfg.train.batch_size, world, accumulation, cfg.seed, epoch,
+            cfg.train.pack_length,
+        )  # fmt: skip
         steps_per_epoch = len(plan)
         for micro_batches in plan[step - epoch * steps_per_epoch :]:
             if step >= num_steps:
                 break
             step_start = time.perf_counter()
             batches = [
-                collate(
-                    [train_split[i] for i in ids],
-                    accelerator.device,
-                    setup.states,
-                    draw_seeds(cfg.seed, epoch, ids),
+                micro_batch(
+                    train_split, rows, accelerator.device, setup.states, (cfg.seed, epoch),
+                    packed=cfg.train.pack_length is not None,
                 )
-                for ids in micro_batches[rank]
-            ]
+                for rows in micro_batches[rank]
+            ]  # fmt: skip
             # Each depth's loss is a mean over its predictions in the whole global batch: count them first
             # (the draws made now, before any forward), so that any split across processes and micro-batches
             # gives the same gradient (DDP averages, hence the factor world).

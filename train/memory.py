@@ -47,9 +47,12 @@ PER_SCORE = 8
 PER_LOGIT = 10
 
 
-def head_layer_calls(head, batch_size: int, seq_len: int, num_answer: int) -> tuple[int, int]:
+def head_layer_calls(
+    head, batch_size: int, seq_len: int, num_answer: int, packed: bool = False
+) -> tuple[int, int]:
     """(query tokens summed over the head's decoder-layer calls, context tokens summed over layers) of one
-    micro-batch; `num_answer` positions per sample have an answer token to predict."""
+    micro-batch; `num_answer` positions per row have an answer token to predict. A `packed` row holds
+    several samples, each drawing its own DFlash anchors: up to all its answer positions."""
     b, t = batch_size, seq_len
     if head.kind == "eagle1":
         return b * t, 0
@@ -60,7 +63,7 @@ def head_layer_calls(head, batch_size: int, seq_len: int, num_answer: int) -> tu
             b * min(t, math.ceil(num_answer * head.cod_ratio**d)) for d in range(1, head.num_depths)
         )
         return per_layer * head.num_layers, 0
-    anchors = min(head.num_anchors, num_answer)
+    anchors = num_answer if packed else min(head.num_anchors, num_answer)
     return b * anchors * head.block_size * head.num_layers, b * t * head.num_layers
 
 
@@ -74,11 +77,13 @@ def step_memory(
     zero_stage: int = 0,
     online: bool = False,
     answer_fraction: float = 1.0,
+    packed: bool = False,
 ) -> dict[str, int]:
     """Bytes per rank of one training step with micro-batch `batch_size` x `seq_len`, by component.
 
     `answer_fraction`: the share of positions with an answer token to predict (the teacher, the loss, the
     anchors); 1 is the worst case. `online`: the target runs in the step (train.features=online).
+    `packed`: rows of several samples (train.pack_length): no attention call takes the fused causal kernel.
     """
     head, h = cfg.head, target_config.hidden_size
     i, heads = target_config.intermediate_size, target_config.num_attention_heads
@@ -91,7 +96,7 @@ def step_memory(
     optimizer_shards = world if zero_stage >= 1 else 1
     b, t = batch_size, seq_len
     answers = max(1, round(t * answer_fraction))
-    queries, context = head_layer_calls(head, b, t, answers)
+    queries, context = head_layer_calls(head, b, t, answers, packed)
     rows = b * answers  # positions whose teacher some loss needs
     num_aux = len(getattr(draft.config, "aux_layer_ids", []) or [])
     target_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.target.dtype]
@@ -124,7 +129,7 @@ def step_memory(
         breakdown["activations"] += queries * (PER_DFLASH_QUERY_H * h + 2 * 2 * head.block_size * kv)
     if 4 * b * heads * t * t <= SCORE_BUDGET_BYTES:  # small shapes: attention in one pass keeps its scores
         # plain causal passes (TTT's step 0, P-EAGLE's depth 0) go through the fused kernel: no scores
-        first = {"eagle3": b * t, "peagle": b * t * head.num_layers}.get(head.kind, 0)
+        first = 0 if packed else {"eagle3": b * t, "peagle": b * t * head.num_layers}.get(head.kind, 0)
         keys = t + (head.block_size if head.kind == "dflash" else 0)
         breakdown["activations"] += PER_SCORE * heads * max(0, queries - first) * keys
     # Small shapes, the checkpointed loss rows: each drafting step's logits are kept, unchunked. The fused
@@ -247,8 +252,9 @@ def check_step_fits(cfg, accelerator, draft, target_config, seq_len: int) -> dic
     if accelerator.state.deepspeed_plugin is not None:
         zero_stage = int(accelerator.state.deepspeed_plugin.zero_stage)
     b, accumulation = cfg.train.batch_size, cfg.train.gradient_accumulation_steps
+    packed = cfg.train.pack_length is not None
     estimate = step_memory(cfg, draft, target_config, b, seq_len, accelerator.num_processes, zero_stage,
-                           online=cfg.train.features == "online")  # fmt: skip
+                           online=cfg.train.features == "online", packed=packed)  # fmt: skip
     needed, device = peak_bytes(estimate), torch.device(accelerator.device)
     log.info("one training step of %d x %d tokens: about %s per rank", b, seq_len, describe(estimate))
     if device.type == "cuda":
@@ -257,7 +263,8 @@ def check_step_fits(cfg, accelerator, draft, target_config, seq_len: int) -> dic
             online = estimate.get("online_target", 0)
             halvings = [b >> n for n in range(1, b.bit_length()) if b >> n >= 1]
             fits = next((n for n in halvings if peak_bytes(step_memory(
-                cfg, draft, target_config, n, seq_len, accelerator.num_processes, zero_stage, online=online > 0
+                cfg, draft, target_config, n, seq_len, accelerator.num_processes, zero_stage, online=online > 0,
+                packed=packed,
             )) <= MAX_GPU_SHARE * capacity), None)  # fmt: skip
             cache = (
                 f"train.features=cache (the online target's weights take {online / GB:.1f} GB of it, every expert "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+import heads.attention
 from artifacts.config import trained_block_lengths, trained_depths
 from heads.dflash import DFlashConfig, DFlashDraft
 from heads.eagle1 import Eagle1Config, Eagle1Draft
@@ -29,8 +30,8 @@ from train.losses import (
     eagle1_loss,
     loss_weights,
     parallel_loss,
-    row_generators,
     sample_blocks,
+    sample_generators,
     slot_predictions,
     ttt_loss,
 )
@@ -72,6 +73,11 @@ class DraftWithLoss(torch.nn.Module):
         self.dpace = (
             Dpace(cfg.head.dpace_a, cfg.head.dpace_norm) if cfg.head.position_weights == "dpace" else None
         )
+        # The attention kernel is the process's (heads/attention.py KERNEL): every head this process trains
+        # or evaluates attends through the one configured here.
+        heads.attention.KERNEL = cfg.train.attention
+        if cfg.train.compile:
+            compile_layers(draft)
         if self.kind == "dflash":
             self.trained_lengths = trained_block_lengths(cfg.head)
             self.served_length = cfg.export.num_speculative_tokens + 1
@@ -82,10 +88,12 @@ class DraftWithLoss(torch.nn.Module):
         generator = None if self.training else torch.Generator().manual_seed(self.seed)
         if self.kind == "peagle":
             ratio = self.head_cfg.cod_ratio if self.training else 1.0
-            return cod_anchors(batch, self.num_steps, ratio, row_generators(batch, generator))
+            return cod_anchors(batch, self.num_steps, ratio, sample_generators(batch, generator))
         if self.kind == "dflash":
             lengths = self.trained_lengths if self.training else (self.served_length,) * 2
-            return sample_blocks(batch, self.head_cfg.num_anchors, lengths, row_generators(batch, generator))
+            return sample_blocks(
+                batch, self.head_cfg.num_anchors, lengths, sample_generators(batch, generator)
+            )
         return None
 
     def prediction_counts(self, batch: dict, draws) -> torch.Tensor:
@@ -140,6 +148,16 @@ class DraftWithLoss(torch.nn.Module):
             "num_pred_0": num_valid,
             "num_valid_0": num_valid,
         }
+
+
+def compile_layers(draft) -> None:
+    """`train.compile`: each decoder layer's `project` (norms, q/k/v, RoPE) and `finish` (o_proj onto the
+    residual, the norm and SwiGLU) under torch.compile, which fuses their elementwise work around the
+    matmuls; the sequence length is dynamic (one graph for every batch shape). The attention between them
+    (chunked or flex) and the loss rows run as they are."""
+    for layer in draft.layers:
+        layer.project = torch.compile(layer.project, dynamic=True)
+        layer.finish = torch.compile(layer.finish, dynamic=True)
 
 
 def check_rope_buffers(model: torch.nn.Module) -> None:

@@ -197,6 +197,12 @@ def check_combinations(cfg: DictConfig) -> None:
             cfg.head.num_layers,
             f"1 for a {cfg.head.kind} head (only P-EAGLE and DFlash stack layers)",
         )
+    if cfg.train.pack_length is not None and cfg.train.pack_length < cfg.render.max_length:
+        refuse(
+            "train.pack_length",
+            cfg.train.pack_length,
+            f">= render.max_length={cfg.render.max_length} (a row must hold the longest sample), or null",
+        )
     check_data(cfg.data)
     check_regen(cfg.regen)
     for key, entries in (("eval.heads", cfg.eval.heads), ("eval.workloads", cfg.eval.workloads)):

@@ -98,7 +98,10 @@ class TrainConfig:
     max_steps: int | None = checked(None, optional(POSITIVE))
     # train on the cache's first N train samples only (data-scaling runs)
     num_samples: int | None = checked(None, optional(POSITIVE))
-    batch_size: int = checked(4, POSITIVE)  # samples per micro-batch per process
+    batch_size: int = checked(4, POSITIVE)  # rows per micro-batch per process: a sample each, or packed
+    # null: one sample a row, padded to the micro-batch's longest; N: rows packing as many samples as fit in
+    # N tokens (at least render.max_length), each seeing only itself: no padding between them is computed
+    pack_length: int | None = checked(None, optional(POSITIVE))
     gradient_accumulation_steps: int = checked(1, POSITIVE)  # micro-batches per optimizer step
     # no | bf16 | fp16 (fp32 master weights either way); default bf16, or no on a CPU without bf16 arithmetic
     mixed_precision: str = checked("${machine_precision:bf16}", one_of("no", "bf16", "fp16"))
@@ -119,6 +122,13 @@ class TrainConfig:
     # the forward, nothing recomputed in backward (train/losses/rows.py fused_rows); false: checkpointed
     # chunks, recomputed in backward (also the path under ZeRO-3, whose sharded weights it cannot take)
     fused_loss: bool = True
+    # the kernel of the head's attention calls but a plain causal pass (heads/attention.py KERNEL): chunked
+    # (dense query chunks of bounded scores, checkpointed; any device) | flex (PyTorch's FlexAttention over a
+    # block mask, compiled: no scores kept; CUDA only, its backward has no CPU kernel)
+    attention: str = checked("chunked", one_of("chunked", "flex"))
+    # each decoder layer's projections and MLP (norms, q/k/v, RoPE; o_proj, SwiGLU) under torch.compile
+    # (Inductor: Triton on CUDA, C++ on a CPU), the sequence length dynamic (train/model.py compile_layers)
+    compile: bool = False
     # tokens per full-vocab teacher logits chunk (memory bound)
     teacher_chunk_size: int = checked(2048, POSITIVE)
     log_every: int = checked(10, POSITIVE)  # status line (and W&B point) every N optimizer steps
@@ -142,8 +152,9 @@ class GridConfig:
     """bench/grid.py: recipes trained side by side on one cache (conf/grid/*.yaml)."""
 
     name: str = "grid"  # results go to <run_dir>/grid/<name>/
-    # optimizer steps of every variant (the learning-rate schedule is sized to it)
-    max_steps: int = checked(300, POSITIVE)
+    # optimizer steps of every variant (the learning-rate schedule is sized to it); null: each variant's own,
+    # train.num_epochs over the cache (variants whose steps hold different numbers of samples: packing)
+    max_steps: int | None = checked(300, optional(POSITIVE))
     variants: dict[str, list[str]] = field(
         default_factory=dict
     )  # variant name -> overrides of the train stage (head.*, optim.*, train.*); [] = the config as it is

@@ -6,13 +6,14 @@ head's own `forward` (heads/) and scores every draft position against the target
 distribution. Where each concern lives:
 
 - rows.py: the teacher (`teacher_rows`, `batch_teacher`, `target_logits`, `Teacher`; dense `teacher_probs`),
-  where a draft position has a loss (`step_valid_mask`, `shift_left`), and the draft's objective per row in
+  where a draft position has a loss (`step_valid_mask`, `shift_left`, `same_document` in packed rows), and the draft's objective per row in
   bounded memory (`draft_rows`, `objective_rows`, `RowLosses`, LOGIT_BUDGET_BYTES, `estimating`; dense
   `step_loss`).
 - positions.py: each draft position's mean loss and weight (`position_loss`, `loss_weights`,
   `depth_weights`, D-PACE's `chain_weights`), the total and the chains' acceptance counts (`weighed_total`,
   `Chains`), the EAGLE-3 head's loss over its depths (`depth_losses`, `depth_predictions`, `Anchors`), and
-  the per-sample random draws (`row_generators`, `wanted_first`, `kept_first`).
+  the per-sample random draws (`documents`, `sample_generators`, `wanted_first`, `row_anchors`,
+  `kept_first`), the same for a sample alone in its row or packed with others.
 - chain.py: EAGLE-3's TTT (`ttt_rollout`, `ttt_loss`).
 - parallel.py: P-EAGLE's parallel drafting and COD (`cod_anchors`, `parallel_forward`, `parallel_loss`).
 - block.py: DFlash's block drafting (`Blocks`, `sample_blocks`, `block_forward`, `slot_predictions`,
@@ -24,7 +25,7 @@ imports rows.py. Every name is re-exported here (`from train.losses import ttt_l
 read where it is defined, so a test patches it there (`train.losses.rows.LOGIT_BUDGET_BYTES`).
 
     total, metrics = ttt_loss(draft, batch, 7, 0.8, target_lm_head_VH, vocab.draft_to_target, 1024)
-    total, metrics = parallel_loss(...same..., anchors=cod_anchors(batch, 3, 0.7, row_generators(batch)))
+    total, metrics = parallel_loss(...same..., anchors=cod_anchors(batch, 3, 0.7, sample_generators(batch)))
     total, metrics = eagle1_loss(draft, batch, w_VH, 1024)
 """
 
@@ -35,15 +36,18 @@ from train.losses.parallel import cod_anchors, parallel_forward, parallel_loss
 from train.losses.positions import (
     Anchors,
     Chains,
+    Document,
     Dpace,
     chain_weights,
     depth_losses,
     depth_predictions,
     depth_weights,
+    documents,
     kept_first,
     loss_weights,
     position_loss,
-    row_generators,
+    row_anchors,
+    sample_generators,
     wanted_first,
     weighed_total,
 )
@@ -55,6 +59,7 @@ from train.losses.rows import (
     draft_rows,
     estimating,
     objective_rows,
+    same_document,
     shift_left,
     step_loss,
     step_valid_mask,
@@ -67,6 +72,7 @@ __all__ = [
     "LOGIT_BUDGET_BYTES",
     "Anchors",
     "Blocks",
+    "Document",
     "Dpace",
     "Chains",
     "RowLosses",
@@ -81,6 +87,7 @@ __all__ = [
     "depth_losses",
     "depth_predictions",
     "depth_weights",
+    "documents",
     "draft_rows",
     "eagle1_loss",
     "estimating",
@@ -91,7 +98,9 @@ __all__ = [
     "parallel_forward",
     "parallel_loss",
     "position_loss",
-    "row_generators",
+    "sample_generators",
+    "row_anchors",
+    "same_document",
     "sample_blocks",
     "shift_left",
     "slot_predictions",

@@ -18,18 +18,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from heads.attention import KVCache
+from heads.attention import KVCache, document_positions
 from heads.eagle3 import Eagle3Draft
 from train.losses.positions import Dpace, depth_losses, depth_weights
 from train.losses.rows import batch_teacher, shift_left
 from train.objectives import KL, Objective
 
 
-def ttt_rollout(model: Eagle3Draft, input_ids_BT: Tensor, aux_BTAH: Tensor, num_steps: int) -> list[Tensor]:
+def ttt_rollout(
+    model: Eagle3Draft,
+    input_ids_BT: Tensor,
+    aux_BTAH: Tensor,
+    num_steps: int,
+    starts_BT: Tensor | None = None,
+) -> list[Tensor]:
     """Pre-norm outputs [B, T, H] of steps 0..K-1, teacher-forced (step k reads x_{t+1+k}): one call of the
-    head's forward per step, the cache holding the earlier steps' keys at each position."""
-    positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
-    cache = KVCache(len(model.layers), steps=True)
+    head's forward per step, the cache holding the earlier steps' keys at each position; in rows packed
+    at `starts_BT`, each position sees and is placed in its own document only."""
+    if starts_BT is None:
+        positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
+    else:
+        positions_BT = document_positions(starts_BT)
+    cache = KVCache(len(model.layers), steps=True, starts_BS=starts_BT)
     hidden_BTH = model.target_hidden(aux_BTAH)
     outs = []
     for step in range(num_steps):
@@ -58,7 +68,8 @@ def ttt_loss(
     with `dpace`, sum_k loss_k, each prediction weighed by D-PACE over its anchor's chain of steps.
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, aux_hidden [B, T, A, H], final_hidden [B, T, H],
-    optional attention_mask [B, T] (1 = real token; without it every position is real).
+    optional attention_mask [B, T] (1 = real token; without it every position is real), optional doc_starts
+    [B, T] int64 (rows packing several samples: where each position's sample starts; train/data.py).
     Metrics (detached tensors), per step k: loss_k, loss_sum_k and num_pred_k (its mean's sum and count);
     acc_k and num_valid_k over the positions with a loss; chain_hits_k / chain_total_k, counts for
     `conditional_accuracies` where a target argmax outside the draft vocabulary counts as a miss (as in
@@ -68,5 +79,5 @@ def ttt_loss(
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
     weights = depth_weights(gamma, num_steps)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
-    outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps)
+    outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps, batch.get("doc_starts"))
     return depth_losses(model, objective, outs, batch, teacher, weights, denominators, dpace=dpace)

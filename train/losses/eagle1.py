@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from heads.attention import KVCache, document_positions
 from heads.eagle1 import Eagle1Draft
 from train.losses.rows import estimating, step_valid_mask, target_logits
 from train.objectives import KL, Objective, acceptance, log_probs, token_losses
@@ -109,7 +110,7 @@ def eagle1_loss(
     means over the valid positions.
 
     batch: input_ids [B, T] int64, loss_mask [B, T] bool, final_hidden [B, T, H], optional attention_mask
-    [B, T] (1 = real token; batches are right-padded). target_lm_head: the target's frozen [V, H] weight.
+    [B, T] (1 = real token; batches are right-padded), optional doc_starts [B, T] (packed rows). target_lm_head: the target's frozen [V, H] weight.
     add_noise=False for evaluation. Metrics (detached tensors): loss, loss_regression (SmoothL1, beta 1,
     mean over positions and hidden dims), loss_ce, acc_0 (draft argmax == target argmax), num_valid, and
     chain_hits_0 / chain_total_0 (the same counts, named as `ttt_loss` names them, so they sum over ranks).
@@ -119,17 +120,23 @@ def eagle1_loss(
     input_ids_BT, final_hidden_BTH = batch["input_ids"], batch["final_hidden"]
     b, t = input_ids_BT.shape
     s = max(t - 1, 0)  # the last position has no next token to read and no next feature to predict
+    starts_BT = batch.get("doc_starts")
     valid_BS = step_valid_mask(
         batch["loss_mask"].bool(),
         torch.ones_like(input_ids_BT, dtype=torch.bool),
         0,
         batch.get("attention_mask"),
+        starts_BT,
     )[:, :s]
     features_BSH = final_hidden_BTH[:, :s]
     if add_noise and noise_range > 0:
         features_BSH = add_feature_noise(features_BSH, noise_range, generator)
     positions_BS = torch.arange(s, device=input_ids_BT.device).expand(b, -1)
-    pred_BSH = model(input_ids_BT[:, 1:], features_BSH, positions_BS)
+    cache = None
+    if starts_BT is not None:  # packed rows: each position sees and is placed in its own document only
+        positions_BS = document_positions(starts_BT[:, :s])
+        cache = KVCache(len(model.layers), starts_BS=starts_BT[:, :s])
+    pred_BSH = model(input_ids_BT[:, 1:], features_BSH, positions_BS, cache)
 
     # Only valid rows go on: the regression and the full-vocabulary CE cost nothing for padding or prompts.
     pred_MH = pred_BSH[valid_BS].float()

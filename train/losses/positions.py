@@ -9,7 +9,7 @@ docs/design.md#each-loss-a-mean-over-the-predictions-it-trains), weighted per po
 decay: `loss_weights`; or D-PACE per prediction: `chain_weights`). `weighed_total` sums them; `Chains`
 records the held-out acceptance estimates at temperature 0 and 1 as vLLM accepts a round. `depth_losses`
 scores the EAGLE-3 head's outputs per depth (chain.py's TTT steps; parallel.py's P-EAGLE depths, at
-`Anchors`). What is random (anchors, block lengths) is drawn per sample (`row_generators`), before the
+`Anchors`). What is random (anchors, block lengths) is drawn per sample (`sample_generators`), before the
 forward.
 
     weights = loss_weights(cfg.head, num_steps)
@@ -87,7 +87,11 @@ def depth_predictions(batch: dict[str, Tensor], step: int, anchors: Anchors | No
     position, or those `anchors` keep) with x_{t+2+k} a real answer token. The depth's loss is their mean."""
     loss_mask_BT = batch["loss_mask"].bool()
     eligible_BT = step_valid_mask(
-        loss_mask_BT, torch.ones_like(loss_mask_BT), step, batch.get("attention_mask")
+        loss_mask_BT,
+        torch.ones_like(loss_mask_BT),
+        step,
+        batch.get("attention_mask"),
+        batch.get("doc_starts"),
     )
     if anchors is None:
         return eligible_BT
@@ -234,32 +238,67 @@ def loss_weights(head_cfg, num_steps: int) -> list[float]:
     return depth_weights(head_cfg.gamma, num_steps)
 
 
-def row_generators(
+class Document(NamedTuple):
+    """One sample of a batch: its row, where it starts there, and its length (padding excluded)."""
+
+    row: int
+    start: int
+    length: int
+
+
+def documents(batch: dict[str, Tensor]) -> list[Document]:
+    """Every sample of the batch in order (that of its `draw_seeds`): one a row, or those each packed row
+    holds (`doc_starts`: where each position's document starts; train/data.py `collate`)."""
+    loss_mask_BT = batch["loss_mask"]
+    real_BT = batch.get("attention_mask")
+    lengths = [loss_mask_BT.shape[1]] * loss_mask_BT.shape[0] if real_BT is None else real_BT.sum(1).tolist()
+    if "doc_starts" not in batch:
+        return [Document(row, 0, int(n)) for row, n in enumerate(lengths)]
+    found = []
+    for row, (starts, n) in enumerate(zip(batch["doc_starts"].tolist(), lengths)):
+        begins = sorted({starts[t] for t in range(int(n))})
+        found += [Document(row, a, b - a) for a, b in zip(begins, begins[1:] + [int(n)])]
+    return found
+
+
+def sample_generators(
     batch: dict[str, Tensor], generator: torch.Generator | None = None
 ) -> list[torch.Generator]:
-    """One CPU generator per row for the loss's random draws (anchors, block lengths), seeded from the
-    batch's `draw_seeds` (one per sample: `train.data.draw_seeds`), so that what is drawn for a sample does
-    not depend on the batch, process or micro-batch it came in; without them, from `generator` (or the
-    global RNG)."""
+    """One CPU generator per sample (`documents`) for the loss's random draws (anchors, block lengths),
+    seeded from the batch's `draw_seeds` (`train.data.draw_seeds`), so that what is drawn for a sample does
+    not depend on the batch, process, micro-batch or packed row it came in; without them, from `generator`
+    (or the global RNG)."""
     if "draw_seeds" in batch:
         seeds = [int(s) for s in batch["draw_seeds"].tolist()]
     else:
-        seeds = torch.randint(2**62, (batch["loss_mask"].shape[0],), generator=generator).tolist()
+        seeds = torch.randint(2**62, (len(documents(batch)),), generator=generator).tolist()
     return [torch.Generator().manual_seed(seed) for seed in seeds]
 
 
 def wanted_first(
-    wanted_BT: Tensor, generators: list[torch.Generator], real_BT: Tensor | None = None
-) -> Tensor:
-    """[B, T] positions in one random order per row that puts the wanted ones first, then the row's other
-    real positions, then its padding (anchor draws). Row b's order comes from generators[b] alone, drawn
-    over its real length only: the same sample draws the same order however it is padded."""
-    b, t = wanted_BT.shape
-    lengths = [t] * b if real_BT is None else real_BT.sum(1).tolist()
-    noise_BT = torch.ones(b, t)
-    for row, (generator, n) in enumerate(zip(generators, lengths)):
-        noise_BT[row, : int(n)] = torch.rand(int(n), generator=generator)
-    return torch.argsort(noise_BT.to(wanted_BT.device) + (~wanted_BT).float(), dim=1, stable=True)
+    wanted_BT: Tensor, docs: list[Document], generators: list[torch.Generator]
+) -> list[tuple[list[int], int]]:
+    """Per sample, its positions (in the row) in one random order that puts the wanted ones first, and how
+    many are wanted (anchor draws). Sample i's order comes from generators[i] alone, drawn over its own
+    length: the same sample draws the same order however it is padded or packed."""
+    wanted = wanted_BT.cpu()
+    orders = []
+    for doc, generator in zip(docs, generators):
+        wanted_N = wanted[doc.row, doc.start : doc.start + doc.length]
+        noise_N = torch.rand(doc.length, generator=generator)
+        order_N = torch.argsort(noise_N + (~wanted_N).float(), stable=True)
+        orders.append(((order_N + doc.start).tolist(), int(wanted_N.sum())))
+    return orders
+
+
+def row_anchors(kept_rows: list[list[int]], length: int) -> Tensor:
+    """[B, T] every row's positions, a permutation of 0..T-1: its kept anchors first (kept_rows[b], in that
+    order), then the rest in order. A row keeping M anchors has them in its first M columns."""
+    rows = []
+    for kept in kept_rows:
+        taken = set(kept)
+        rows.append(kept + [t for t in range(length) if t not in taken])
+    return torch.tensor(rows, dtype=torch.int64).view(len(kept_rows), length)
 
 
 def kept_first(counts_B: Tensor) -> Tensor:

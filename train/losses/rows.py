@@ -115,24 +115,37 @@ def teacher_probs(
 def batch_teacher(
     batch: dict[str, Tensor], target_lm_head: Tensor, draft_to_target: Tensor, chunk_size: int
 ) -> Teacher:
-    """The teacher at the positions some depth needs: x_{t+1} an answer token."""
+    """The teacher at the positions some depth needs: x_{t+1} an answer token (of the same document)."""
     # The teacher at j serves a loss only where x_{j+1} is an answer token: prompts cost no teacher work.
-    needed_BT = shift_left(batch["loss_mask"].bool(), 1, False)
+    needed_BT = shift_left(batch["loss_mask"].bool(), 1, False) & same_document(batch.get("doc_starts"), 1)
     return teacher_rows(batch["final_hidden"], target_lm_head, draft_to_target, chunk_size, needed_BT)
 
 
+def same_document(starts_BT: Tensor | None, shift: int) -> Tensor | bool:
+    """[B, T] bool: position t + shift belongs to t's document - in a row packing several (`starts_BT`, where
+    each position's document starts: train/data.py `collate`); True without packing (one row, one sample)."""
+    if starts_BT is None:
+        return True
+    return shift_left(starts_BT, shift, -1) == starts_BT
+
+
 def step_valid_mask(
-    loss_mask_BT: Tensor, in_draft_BT: Tensor, step: int, attention_mask_BT: Tensor | None = None
+    loss_mask_BT: Tensor,
+    in_draft_BT: Tensor,
+    step: int,
+    attention_mask_BT: Tensor | None = None,
+    starts_BT: Tensor | None = None,
 ) -> Tensor:
     """[B, T] bool: position t has a loss at step k (it predicts x_{t+2+k} from the teacher at t+1+k).
 
-    Valid iff x_{t+2+k} exists, is real (attention_mask) and an assistant token (loss_mask), and the
-    target's argmax at t+1+k is in the draft vocabulary (otherwise the draft cannot match it).
+    Valid iff x_{t+2+k} exists, is real (attention_mask), of t's own document (`starts_BT`, packed rows) and
+    an assistant token (loss_mask), and the target's argmax at t+1+k is in the draft vocabulary (otherwise
+    the draft cannot match it).
     """
     valid_BT = shift_left(loss_mask_BT.bool(), 2 + step, False) & shift_left(in_draft_BT, 1 + step, False)
     if attention_mask_BT is not None:
         valid_BT &= shift_left(attention_mask_BT.bool(), 2 + step, False)
-    return valid_BT
+    return valid_BT & same_document(starts_BT, 2 + step)
 
 
 def step_loss(
