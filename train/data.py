@@ -260,28 +260,24 @@ def collate(
     batch = {k: v.to(device) for k, v in batch.items()}
     if seeds is not None:
         batch["draw_seeds"] = torch.tensor(seeds, dtype=torch.int64)
-    if "final_hidden" in samples[0]:
-        n_aux, h = samples[0]["aux_hidden"].shape[1:]
-        aux = torch.zeros(b, t, n_aux, h, dtype=torch.float32)
-        final = torch.zeros(b, t, h, dtype=torch.float32)
-        for sample, n, (row, at) in zip(samples, lengths, places):
-            aux[row, at : at + n] = sample["aux_hidden"]
-            final[row, at : at + n] = sample["final_hidden"]
-        batch["aux_hidden"], batch["final_hidden"] = aux.to(device), final.to(device)
-        return batch
-    if states is None:
+    if "final_hidden" in samples[0]:  # the cache's states, each sample's own
+        aux_states = [sample["aux_hidden"] for sample in samples]
+        final_states = [sample["final_hidden"] for sample in samples]
+    elif states is None:
         raise ValueError("these samples hold no hidden states: collate needs the target (OnlineStates)")
-    if per_row is None:
+    elif per_row is None:
         batch["aux_hidden"], batch["final_hidden"] = states(batch["input_ids"], batch["attention_mask"])
         return batch
-    # Packed rows: the target runs on the samples one a row (its attention knows no documents), then its
-    # states are laid out as the rows pack them.
-    alone = collate(samples, device, states)
-    aux_SLAH, final_SLH = alone["aux_hidden"], alone["final_hidden"]
-    aux = aux_SLAH.new_zeros(b, t, *aux_SLAH.shape[2:])
-    final = final_SLH.new_zeros(b, t, final_SLH.shape[-1])
-    for index, (n, (row, at)) in enumerate(zip(lengths, places)):
-        aux[row, at : at + n] = aux_SLAH[index, :n]
-        final[row, at : at + n] = final_SLH[index, :n]
-    batch["aux_hidden"], batch["final_hidden"] = aux, final
+    else:  # packed rows: the target runs on the samples one a row (its attention knows no documents)
+        alone = collate(samples, device, states)
+        aux_states = [alone["aux_hidden"][i, :n] for i, n in enumerate(lengths)]
+        final_states = [alone["final_hidden"][i, :n] for i, n in enumerate(lengths)]
+    # laid out as the rows hold the samples
+    on = aux_states[0].device
+    aux = torch.zeros(b, t, *aux_states[0].shape[1:], dtype=torch.float32, device=on)
+    final = torch.zeros(b, t, final_states[0].shape[-1], dtype=torch.float32, device=on)
+    for sample_aux, sample_final, n, (row, at) in zip(aux_states, final_states, lengths, places):
+        aux[row, at : at + n] = sample_aux
+        final[row, at : at + n] = sample_final
+    batch["aux_hidden"], batch["final_hidden"] = aux.to(device), final.to(device)
     return batch
