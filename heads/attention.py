@@ -40,7 +40,8 @@ SCORE_BUDGET_BYTES = 256 * 2**20
 # The kernel of every call but a plain causal pass: "chunked" (the dense query chunks of `dense_attention`,
 # on any device) or "flex" (PyTorch's FlexAttention, `flex_attention_call`: one fused kernel over a block
 # mask, no scores kept for backward, the key blocks a query cannot see skipped; its backward runs on CUDA
-# only). Set by train from `train.attention`; a module setting, as SCORE_BUDGET_BYTES.
+# only). Set from `train.attention` where train/model.py builds `DraftWithLoss`; a module setting, as
+# SCORE_BUDGET_BYTES.
 KERNEL = "chunked"
 
 
@@ -304,6 +305,11 @@ def block_attention(
     The same `attention` as every other head: the block's keys enter as each query's extra keys, so memory
     is O(Q*S + Q*J), never a dense (Q x (S + Q)) mask over all blocks (docs/dflash.md).
     """
+    if KERNEL == "flex":  # its own mask over the block keys as they are: none of the per-query layouts below
+        return flex_block_attention(
+            q_BNQD, k_BGQD, v_BGQD, context_k_BGSD, context_v_BGSD, starts_BM, causal, lengths_BM,
+            context_starts_BM,
+        )  # fmt: skip
     b, g, q, d = k_BGQD.shape
     m = starts_BM.shape[1]
     j = q // m
@@ -319,11 +325,6 @@ def block_attention(
         if lengths_BM is not None:
             visible_BMJJ &= (key_J < lengths_BM[..., None])[:, :, None, :]
         visible_BQJ = visible_BMJJ.view(b, q, j)
-    if KERNEL == "flex":
-        return flex_block_attention(
-            q_BNQD, k_BGQD, v_BGQD, context_k_BGSD, context_v_BGSD, starts_BM, causal, lengths_BM,
-            context_starts_BM,
-        )  # fmt: skip
     query_starts_BQ = None if context_starts_BM is None else context_starts_BM.repeat_interleave(j, dim=1)
     return attention(
         q_BNQD, context_k_BGSD, context_v_BGSD, query_positions_BQ, block_k_BGQJD, block_v_BGQJD, visible_BQJ,
