@@ -7,6 +7,10 @@ module, `python -m bench.<name> --help`; `make bench` runs the data_prep and tra
     train_step.py      train: EAGLE-3 steps, tokens/s and peak memory per TTT depth K
     attention.py       train: the training attention alone at a recipe's shapes
     memory.py          train: one step per head kind at a GPU recipe's shapes beside the memory model
+    profile.py         train: a step's split, FLOPs, MFU and top ops (bench.memory --profile)
+    saved.py           train: what autograd keeps in one forward at a recipe's shapes, against the model
+    padding.py         train: the share of padding in train's batches, one sample a row and packed
+    gemm.py            train: a Linear's three products in fp32 and bf16 on this machine
     online.py          train: online training against training from the cache
     peer.py            train: our EAGLE-3 trainer beside speculators' (vLLM's own trainer)
     grid.py            train: several recipes on one cache at one budget, ranked by acceptance

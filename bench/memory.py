@@ -14,7 +14,7 @@ train's own `build_draft`, `DraftWithLoss` and AdamW, the target's shapes from T
 config.json; `--tiny`: a small Llama shape). A micro-batch of random tokens, a quarter prompt and three
 quarters answer, with random aux and final states (`--online`: a random bf16 target of the recipe's shape
 computes them in the step, as `train.features=online` does). `--steps` full optimizer steps (forward under
-bf16 autocast, backward, clip, AdamW); the step time is the fastest after the first (the only one with
+train.mixed_precision's autocast, bf16 in every recipe; backward, clip, AdamW); the step time is the fastest after the first (the only one with
 one step).
 
 Peak memory over what the process held before the first step (weights, frozen target matrices, the batch,
@@ -38,7 +38,7 @@ import torch
 
 from artifacts.config import compose
 from artifacts.vocab import VocabMap
-from bench.train_step import mark_memory, peak_memory
+from bench.train_step import autocast, mark_memory, peak_memory
 from target.model import default_aux_layer_ids
 from train.memory import GB, IN_SETUP, describe, peak_bytes, step_memory
 
@@ -221,16 +221,18 @@ def synchronize(device) -> float:
     return time.perf_counter()
 
 
-def train_step(model, optimizer, batch: dict, max_grad_norm: float, device, states=None) -> dict:
-    """One optimizer step as train's loop takes it (forward under bf16 autocast, backward, clip, AdamW), each
-    phase synchronised: its seconds by phase."""
+def train_step(
+    model, optimizer, batch: dict, max_grad_norm: float, device, states=None, precision: str = "bf16"
+) -> dict:
+    """One optimizer step as train's loop takes it (forward under `precision`'s autocast, backward, clip,
+    AdamW), each phase synchronised: its seconds by phase."""
     start = synchronize(device)
     step_batch = dict(batch)
     if states is not None:  # online: the target computes the states inside the step
         step_batch["aux_hidden"], step_batch["final_hidden"] = states(
             batch["input_ids"], batch["attention_mask"]
         )
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+    with autocast(device, precision):
         loss, _ = model(step_batch)
     forward = synchronize(device)
     loss.backward()
@@ -268,7 +270,8 @@ def child(args) -> dict:
         states = OnlineStates(target, aux_ids)
         del batch["aux_hidden"], batch["final_hidden"]
     before, _ = mark_memory(device)
-    phases = [train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states)
+    precision = cfg.train.mixed_precision
+    phases = [train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states, precision)
               for _ in range(args.steps)]  # fmt: skip
     peak = peak_memory(device)
     fastest = min(phases[1:] or phases, key=lambda p: p["step_s"])
@@ -306,8 +309,10 @@ def profile_step(args, model, optimizer, batch, cfg, device, states, phases: dic
     recomputed), achieved TFLOP/s and MFU, the top ops; after the timed steps, so they time nothing else."""
     from bench import profile
 
+    precision = cfg.train.mixed_precision
+
     def step():
-        return train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states)
+        return train_step(model, optimizer, batch, cfg.optim.max_grad_norm, device, states, precision)
 
     tokens = args.batch_size * args.seq_len
     flops = profile.step_flops(step)
@@ -315,7 +320,8 @@ def profile_step(args, model, optimizer, batch, cfg, device, states, phases: dic
     achieved = flops["model"] / phases["step_s"]
     return {
         "split": {
-            k: round(v, 4) for k, v in profile.split(phases, profile.loss_parts(model, batch, device)).items()
+            k: round(v, 4)
+            for k, v in profile.split(phases, profile.loss_parts(model, batch, device, precision)).items()
         },
         "flops_per_token": {k: round(v / tokens) for k, v in flops.items()},
         "achieved_tflops": round(achieved / 1e12, 3),

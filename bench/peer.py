@@ -84,7 +84,8 @@ def run_ours(args, device) -> dict:
         start = synchronize(device)
         on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         h2d = synchronize(device) - start
-        phases = train_step(model, optimizer, on_device, cfg.optim.max_grad_norm, device)
+        phases = train_step(model, optimizer, on_device, cfg.optim.max_grad_norm, device,
+                            precision=cfg.train.mixed_precision)  # fmt: skip
         steps.append({**phases, "h2d_s": h2d, "step_s": phases["step_s"] + h2d})
     return summary("ours", args, steps, b * t, device)
 

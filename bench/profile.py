@@ -105,10 +105,11 @@ def synchronized(device) -> float:
     return time.perf_counter()
 
 
-def loss_parts(model, batch: dict, device, repeats: int = 2) -> dict[str, float]:
+def loss_parts(model, batch: dict, device, precision: str = "bf16", repeats: int = 2) -> dict[str, float]:
     """{"teacher_s", "loss_s"}: the teacher of this batch, and the draft's loss rows forward and backward at
-    its number of predictions (every depth's, as one call), each timed alone under bf16 autocast; the
-    fastest of `repeats`."""
+    its number of predictions (every depth's, as one call), each timed alone under `precision`'s
+    autocast (train.mixed_precision); the fastest of `repeats`."""
+    from bench.train_step import autocast
     from train.losses import batch_teacher, draft_rows
 
     draft = model.draft
@@ -123,7 +124,7 @@ def loss_parts(model, batch: dict, device, repeats: int = 2) -> dict[str, float]
         rows_M = torch.randint(0, max(n, 1), (m,), generator=g, device=device)
         out_MH = torch.randn(m, draft.config.hidden_size, generator=g, device=device, requires_grad=True)
         start = synchronized(device)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        with autocast(device, precision):
             rows = draft_rows(draft, model.objective, out_MH, teacher, rows_M)
         rows.loss.sum().backward()
         loss_s.append(synchronized(device) - start)

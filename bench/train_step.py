@@ -56,6 +56,14 @@ from train.model import DraftWithLoss, build_draft
 MB = 2**20
 
 
+def autocast(device, precision: str):
+    """The forward's autocast as train's Accelerator sets it from `train.mixed_precision`: bf16 or fp16, or
+    none with `no` (fp32: on a CPU without bf16 units, whose bf16 products take PyTorch's scalar reference
+    GEMM - docs/benchmarks.md#half-precision-on-a-cpu-without-it)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.autocast(torch.device(device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
 def setup(cfg, num_batches: int):
     """(accelerator, model, optimizer, batches, (split, rows, packed)): the head, its optimizer and fixed
     micro-batches (packed with train.pack_length)."""

@@ -27,21 +27,26 @@ from train.losses import LOGIT_BUDGET_BYTES
 
 log = logging.getLogger("train")  # train's own logger: the estimate is one of its lines
 GB = 1e9
-# Bytes autograd keeps per query token of one decoder-layer call, per unit of H and of I (bf16 autocast):
-# the fp32 input and residual, RMSNorms' fp32 inputs, the bf16 casts the projections save, RoPE'd q/k,
-# the attention's output, SwiGLU's gate, up and product.
-PER_QUERY_H, PER_QUERY_I = 40, 10
-# Per sequence position, beyond the layer calls: the aux states' casts, fc and its norms, the carried state.
-PER_POSITION_H = 30
+# Bytes autograd keeps per query token of one decoder-layer call, per unit of H and of I (bf16 autocast;
+# counted by bench/saved.py at the 8B widths): the RMSNorms' fp32 products and the fp32 residual sums, the
+# bf16 casts the projections save, RoPE'd q/k and the attention's output; SwiGLU's gate, up, SiLU and
+# product in bf16.
+PER_QUERY_H, PER_QUERY_I = 34, 8
+# EAGLE-3 and P-EAGLE's first layer reads [embedding, hidden] (2H): its norms and casts, per query, beyond.
+FIRST_LAYER_H = 12
+# Per sequence position, beyond the layer calls: the fp32 states fc reads, and per aux layer their fp32
+# norm and bf16 cast.
+PER_POSITION_H, PER_AUX_H = 4, 6
 # DFlash: each layer projects the whole context's keys and values for the blocks to read (fp32 input cast,
 # normed keys, values), per context position and layer.
 PER_CONTEXT_H = 12
-# DFlash, per block query token and layer, beyond that: its q/k norms' fp32 inputs, and the block's J keys
-# and values laid out per query (block_attention hands each query its block's keys as its extra keys).
-PER_DFLASH_QUERY_H = 16
-# Without chunking (scores below SCORE_BUDGET_BYTES), per query and key: the bf16 scores, their fp32
-# softmax and the bf16 probabilities.
-PER_SCORE = 8
+# DFlash, per block query token and layer: the block's J keys (fp32, normed) and values (bf16) laid out per
+# query (block_attention hands each query its block's keys as its extra keys), per unit of J x KV width.
+PER_BLOCK_KEY = 4 + 2
+# An attention call whose scores fit SCORE_BUDGET_BYTES runs unchunked and keeps, per query and key, the
+# fp32 softmax and the bf16 probabilities (not the bf16 scores: masking and the fp32 cast save none;
+# counted by bench/saved.py at the 8B widths).
+PER_SCORE = 6
 # Without chunking (M x Vd below LOGIT_BUDGET_BYTES), per query token: bf16 logits, their fp32 log-softmax
 # and the teacher rows gathered for them.
 PER_LOGIT = 10
@@ -67,6 +72,38 @@ def head_layer_calls(
     return b * anchors * head.block_size * head.num_layers, b * t * head.num_layers
 
 
+def scored_calls(head, seq_len: int, num_answer: int, packed: bool = False) -> list[tuple[int, int]]:
+    """(queries, keys) per row of each decoder-layer call that goes through `attention`'s scores rather than
+    the fused causal kernel (heads/attention.py): TTT's later steps and P-EAGLE's depths with their extra
+    keys, DFlash's blocks over the context and their own keys; every call of a packed row. Each layer makes
+    the same calls."""
+    t = seq_len
+    plain = [(t, t)] if packed else []
+    if head.kind == "eagle3":
+        return plain + [(t, t + k) for k in range(1, head.num_ttt_steps)]
+    if head.kind == "peagle":
+        return plain + [
+            (min(t, math.ceil(num_answer * head.cod_ratio**d)), t + d) for d in range(1, head.num_depths)
+        ]
+    if head.kind == "dflash":
+        anchors = num_answer if packed else min(head.num_anchors, num_answer)
+        return [(anchors * head.block_size, t + head.block_size)]
+    return plain
+
+
+def predictions(head, batch_size: int, seq_len: int, num_answer: int, packed: bool = False) -> int:
+    """The draft predictions one micro-batch trains (at most): an answer position's per TTT step, P-EAGLE's
+    anchors per depth, DFlash's J - 1 slots per anchor."""
+    b = batch_size
+    if head.kind == "eagle3":
+        return b * num_answer * head.num_ttt_steps
+    if head.kind == "peagle":
+        return b * (num_answer + sum(q for q, _ in scored_calls(head, seq_len, num_answer)))
+    if head.kind == "dflash":
+        return b * (num_answer if packed else min(head.num_anchors, num_answer)) * (head.block_size - 1)
+    return b * num_answer
+
+
 def step_memory(
     cfg,
     draft: torch.nn.Module,
@@ -84,6 +121,7 @@ def step_memory(
     `answer_fraction`: the share of positions with an answer token to predict (the teacher, the loss, the
     anchors); 1 is the worst case. `online`: the target runs in the step (train.features=online).
     `packed`: rows of several samples (train.pack_length): no attention call takes the fused causal kernel.
+    The activations are what autograd saves (bench/saved.py counts them); the teacher rows are held beside.
     """
     head, h = cfg.head, target_config.hidden_size
     i, heads = target_config.intermediate_size, target_config.num_attention_heads
@@ -110,7 +148,7 @@ def step_memory(
         "batch_states": 4 * b * t * (num_aux + 1) * h,  # collated fp32 aux and final states
         "teacher": 4 * rows * vd,
         "activations": queries * (PER_QUERY_H * h + PER_QUERY_I * i)
-        + b * t * (PER_POSITION_H + 2 * num_aux) * h
+        + b * t * (PER_POSITION_H + PER_AUX_H * num_aux) * h
         + context * PER_CONTEXT_H * h,
         # The largest of the bounded transients (they come one after another: the teacher's
         # full-vocabulary chunk before the forward, an attention chunk's scores and probabilities in it, a
@@ -124,18 +162,26 @@ def step_memory(
         # still takes.
         "workspace": 128 * 2**20,
     }
+    kv = (getattr(target_config, "num_key_value_heads", None) or heads) * getattr(
+        draft.config, "head_dim", h // heads
+    )
     if head.kind == "dflash":
-        kv = (getattr(target_config, "num_key_value_heads", None) or heads) * draft.config.head_dim
-        breakdown["activations"] += queries * (PER_DFLASH_QUERY_H * h + 2 * 2 * head.block_size * kv)
-    if 4 * b * heads * t * t <= SCORE_BUDGET_BYTES:  # small shapes: attention in one pass keeps its scores
-        # plain causal passes (TTT's step 0, P-EAGLE's depth 0) go through the fused kernel: no scores
-        first = 0 if packed else {"eagle3": b * t, "peagle": b * t * head.num_layers}.get(head.kind, 0)
-        keys = t + (head.block_size if head.kind == "dflash" else 0)
-        breakdown["activations"] += PER_SCORE * heads * max(0, queries - first) * keys
+        breakdown["activations"] += queries * PER_BLOCK_KEY * head.block_size * kv
+    if head.kind in ("eagle3", "peagle"):
+        breakdown["activations"] += queries // head.num_layers * FIRST_LAYER_H * h
+    for q, keys in scored_calls(head, t, answers, packed):
+        # A call whose scores fit the budget runs unchunked and keeps them (attention chunks the others).
+        if 4 * b * heads * q * keys <= SCORE_BUDGET_BYTES:
+            breakdown["activations"] += PER_SCORE * heads * b * q * keys * head.num_layers
+        # TTT's step k and P-EAGLE's depth k read the k earlier steps' keys and values, stacked in bf16.
+        if head.kind in ("eagle3", "peagle") and keys > t:
+            breakdown["activations"] += 2 * 2 * b * q * (keys - t) * kv * head.num_layers
     # Small shapes, the checkpointed loss rows: each drafting step's logits are kept, unchunked. The fused
     # rows (train.fused_loss) keep their outputs' gradients instead, as large as the outputs the checkpointed
     # chunks keep.
     unfused = head.kind == "eagle1" or not cfg.train.fused_loss
+    if not unfused:  # the fused rows keep each prediction's output gradient, fp32
+        breakdown["activations"] += 4 * h * predictions(head, b, t, answers, packed)
     if unfused and rows * vd * 4 <= LOGIT_BUDGET_BYTES:
         outputs = queries // (head.num_layers if head.kind in ("peagle", "dflash") else 1)
         breakdown["activations"] += outputs * PER_LOGIT * vd
