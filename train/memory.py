@@ -47,9 +47,10 @@ PER_BLOCK_KEY = 4 + 2
 # fp32 softmax and the bf16 probabilities (not the bf16 scores: masking and the fp32 cast save none;
 # counted by bench/saved.py at the 8B widths).
 PER_SCORE = 6
-# Without chunking (M x Vd below LOGIT_BUDGET_BYTES), per query token: bf16 logits, their fp32 log-softmax
-# and the teacher rows gathered for them.
-PER_LOGIT = 10
+# The checkpointed loss rows without chunking (M x Vd below LOGIT_BUDGET_BYTES), per prediction and draft
+# token: the bf16 logits, their fp32 log-softmax and its exp, the teacher rows gathered for them and their
+# product (bench/saved.py at the 8B widths).
+PER_LOGIT = 17
 
 
 def head_layer_calls(
@@ -176,15 +177,19 @@ def step_memory(
         # TTT's step k and P-EAGLE's depth k read the k earlier steps' keys and values, stacked in bf16.
         if head.kind in ("eagle3", "peagle") and keys > t:
             breakdown["activations"] += 2 * 2 * b * q * (keys - t) * kv * head.num_layers
-    # Small shapes, the checkpointed loss rows: each drafting step's logits are kept, unchunked. The fused
-    # rows (train.fused_loss) keep their outputs' gradients instead, as large as the outputs the checkpointed
-    # chunks keep.
+    # The fused rows (train.fused_loss) keep each prediction's output gradient, fp32, and under D-PACE's
+    # weights its output too, for backward to recompute. The checkpointed rows keep nothing when chunked;
+    # unchunked (small shapes) each drafting step keeps its logits, and a frozen lm_head's bf16 cast (autocast
+    # caches only the casts of weights that train).
     unfused = head.kind == "eagle1" or not cfg.train.fused_loss
-    if not unfused:  # the fused rows keep each prediction's output gradient, fp32
-        breakdown["activations"] += 4 * h * predictions(head, b, t, answers, packed)
+    predicted = predictions(head, b, t, answers, packed)
+    if not unfused:
+        breakdown["activations"] += 4 * h * predicted * (2 if head.position_weights == "dpace" else 1)
     if unfused and rows * vd * 4 <= LOGIT_BUDGET_BYTES:
-        outputs = queries // (head.num_layers if head.kind in ("peagle", "dflash") else 1)
-        breakdown["activations"] += outputs * PER_LOGIT * vd
+        breakdown["activations"] += predicted * PER_LOGIT * vd
+        if half and head.kind != "eagle1" and head.freeze_lm_head:
+            steps = {"eagle3": head.num_ttt_steps, "peagle": head.num_depths}.get(head.kind, 1)
+            breakdown["half_weight_copies"] += 2 * vd * h * (steps - 1)
     if online:
         breakdown["online_target"] = target_weights_bytes(target_config, target_bytes)
         # its forward under inference mode: a layer's MLP at a time (a MoE layer's: the experts each token
