@@ -96,13 +96,13 @@ def test_the_skipped_products_leave_what_autograd_saves_unchanged(setting):
 
 
 @pytest.mark.parametrize(
-    "setting", SAVED_SETTINGS[:3] + [pytest.param(s, marks=pytest.mark.slow) for s in SAVED_SETTINGS[3:]]
+    "setting", SAVED_SETTINGS[:1] + [pytest.param(s, marks=pytest.mark.slow) for s in SAVED_SETTINGS[1:]]
 )
 def test_the_model_counts_what_autograd_keeps_at_the_recipe_shapes(setting, tmp_path, subprocess_env):
     """What one forward of a sample of the llama31_8b recipe (8B widths, 2,048 tokens, bf16 autocast) saves for
-    backward, against the model's activations and teacher: within 5% for every kind and objective; the bf16
-    copies of the head's matrices at most what the model holds (bench/saved.py,
-    docs/benchmarks.md#what-autograd-keeps)."""
+    backward, against the model's activations: within 5% for every kind and objective (EAGLE-3 in the default
+    suite, two minutes a setting; the others slow); the bf16 copies of the head's matrices at most what the
+    model holds (bench/saved.py, docs/benchmarks.md#what-autograd-keeps)."""
     out = tmp_path / "saved.json"  # a process of its own: the 8B-width head's memory goes back at its end
     command = [sys.executable, "-m", "bench.saved", "--settings", setting, "--out", str(out)]
     subprocess.run(command, check=True, cwd=REPO, env=subprocess_env)
