@@ -345,6 +345,16 @@ def result_line(m: dict) -> str:
             f"(model {m['predicted_over_setup_gb']:.2f})")  # fmt: skip
 
 
+def child_result(command: list[str], label: str) -> dict:
+    """Run a benchmark's child process (one setting, its memory returned at exit); its last stdout line, JSON."""
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{label}: the benchmark's child failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -390,10 +400,7 @@ def main() -> None:
             command += ["--online"] * args.online + ["--tiny"] * args.tiny + ["--profile"] * args.profile
             command += ["--batch-size", str(args.batch_size)] if args.batch_size else []
             command += ["--seq-len", str(args.seq_len)] if args.seq_len else []
-            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-            if done.returncode != 0:
-                raise RuntimeError(f"{kind} ({name}): the benchmark's child failed:\n{done.stderr[-3000:]}")
-            result = {**json.loads(done.stdout.strip().splitlines()[-1]), "setting": name}
+            result = {**child_result(command, f"{kind} ({name})"), "setting": name}
             results.append(result)
             steps[name] = result["step_s"]
             label = "" if name == "default" else f" [{name}]"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import weakref
 from collections import defaultdict
@@ -37,7 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.memory import ANSWER_FRACTION, KINDS, REPO, build_model, random_batch, recipe_config
+from bench.memory import ANSWER_FRACTION, KINDS, build_model, child_result, random_batch, recipe_config
 from bench.train_step import autocast
 from train.memory import GB, step_memory
 
@@ -193,12 +192,7 @@ def main() -> None:
             parser.error(f"{setting}: the kind must be one of {', '.join(KINDS)}")
         command = [sys.executable, "-m", "bench.saved", "--child", "--recipe", args.recipe, "--settings", setting,
                    "--batch-size", str(args.batch_size)] + ["--seq-len", str(args.seq_len)] * bool(args.seq_len)  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{setting}: the child failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
-            )
-        r = json.loads(done.stdout.strip().splitlines()[-1])
+        r = child_result(command, setting)
         results.append(r)
         print(f"{args.recipe} {r['setting']} {r['shape']}: saved {r['saved_gb']:.2f} GB, model {r['model_gb']:.2f} "
               f"GB ({r['ratio'] - 1:+.1%}); bf16 weight copies {r['weight_copies_gb']:.2f} GB, model "

@@ -53,6 +53,17 @@ PER_SCORE = 6
 PER_LOGIT = 17
 
 
+def depth_anchors(head, seq_len: int, num_answer: int) -> list[int]:
+    """P-EAGLE: the anchors per row of each depth after the first (COD keeps cod_ratio^d of the answers)."""
+    return [min(seq_len, math.ceil(num_answer * head.cod_ratio**d)) for d in range(1, head.num_depths)]
+
+
+def block_anchors(head, num_answer: int, packed: bool = False) -> int:
+    """DFlash: the blocks per row, one per anchor (a packed row's samples each draw their own: up to all
+    its answer positions)."""
+    return num_answer if packed else min(head.num_anchors, num_answer)
+
+
 def head_layer_calls(
     head, batch_size: int, seq_len: int, num_answer: int, packed: bool = False
 ) -> tuple[int, int]:
@@ -65,12 +76,9 @@ def head_layer_calls(
     if head.kind == "eagle3":
         return b * t * head.num_ttt_steps, 0
     if head.kind == "peagle":
-        per_layer = b * t + sum(
-            b * min(t, math.ceil(num_answer * head.cod_ratio**d)) for d in range(1, head.num_depths)
-        )
-        return per_layer * head.num_layers, 0
-    anchors = num_answer if packed else min(head.num_anchors, num_answer)
-    return b * anchors * head.block_size * head.num_layers, b * t * head.num_layers
+        return b * (t + sum(depth_anchors(head, t, num_answer))) * head.num_layers, 0
+    blocks = b * block_anchors(head, num_answer, packed) * head.block_size
+    return blocks * head.num_layers, b * t * head.num_layers
 
 
 def scored_calls(head, seq_len: int, num_answer: int, packed: bool = False) -> list[tuple[int, int]]:
@@ -83,12 +91,9 @@ def scored_calls(head, seq_len: int, num_answer: int, packed: bool = False) -> l
     if head.kind == "eagle3":
         return plain + [(t, t + k) for k in range(1, head.num_ttt_steps)]
     if head.kind == "peagle":
-        return plain + [
-            (min(t, math.ceil(num_answer * head.cod_ratio**d)), t + d) for d in range(1, head.num_depths)
-        ]
+        return plain + [(m, t + d) for d, m in enumerate(depth_anchors(head, t, num_answer), start=1)]
     if head.kind == "dflash":
-        anchors = num_answer if packed else min(head.num_anchors, num_answer)
-        return [(anchors * head.block_size, t + head.block_size)]
+        return [(block_anchors(head, num_answer, packed) * head.block_size, t + head.block_size)]
     return plain
 
 
@@ -99,9 +104,9 @@ def predictions(head, batch_size: int, seq_len: int, num_answer: int, packed: bo
     if head.kind == "eagle3":
         return b * num_answer * head.num_ttt_steps
     if head.kind == "peagle":
-        return b * (num_answer + sum(q for q, _ in scored_calls(head, seq_len, num_answer)))
+        return b * (num_answer + sum(depth_anchors(head, seq_len, num_answer)))
     if head.kind == "dflash":
-        return b * (num_answer if packed else min(head.num_anchors, num_answer)) * (head.block_size - 1)
+        return b * block_anchors(head, num_answer, packed) * (head.block_size - 1)
     return b * num_answer
 
 
