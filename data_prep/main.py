@@ -5,7 +5,8 @@
         data.source=/data/sharegpt.json run_dir=/runs/llama3
 
 Steps: load and normalize conversations -> hold out a split by a hash of each id -> optionally regenerate
-the answers with the target (vLLM) -> render with the chat template and assistant-only loss masks ->
+the answers with the target (vLLM; each sample is then a request's tokens and the ids the target generated,
+masked on those) or else render with the chat template and assistant-only loss masks ->
 draft vocabulary -> hidden states of the target, sharded across processes (unless
 cache.hidden_states=false: then the shards hold tokens and loss masks only, for train.features=online)
 -> manifest (written last).
@@ -44,7 +45,7 @@ from data_prep.capture import (
 )
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
 from data_prep.regenerate import answer_samples, regen_settings, regenerate_rank_share
-from data_prep.render import render_all
+from data_prep.render import RenderedSample, fit_length, render_all
 from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging
 from target.model import (
@@ -84,26 +85,39 @@ def build_embedded_target(cfg) -> None:
 
 def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, dataset_fingerprint) -> dict:
     """The fields a cache directory is tied to: reusing it with any of them changed is refused."""
-    return {
-        "target_hash": target_hash,
-        "num_hidden_layers": target_config.num_hidden_layers,
-        "hidden_size": target_config.hidden_size,
-        "vocab_size": target_config.vocab_size,
-        "aux_layer_ids": aux_layer_ids,
-        "tokenizer_hash": tokenizer_hash(tokenizer),
-        "dataset_fingerprint": dataset_fingerprint,
-        "eval_fraction": cfg.data.eval_fraction,
-        "split_by": SPLIT_BY,
-        "max_length": cfg.render.max_length,
-        "overlong": cfg.render.overlong,
-        "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
-        "draft_vocab_size": cfg.cache.draft_vocab_size,
-        "draft_vocab_fill": cfg.cache.draft_vocab_fill,
-        "hidden_states": cfg.cache.hidden_states,  # false: tokens only, for train.features=online
-        # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
-        # regeneration writes each chunk's)
-        "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
-    } | ({"chat_template_kwargs": kwargs} if (kwargs := served_template_kwargs(cfg)) else {})
+    return (
+        {
+            "target_hash": target_hash,
+            "num_hidden_layers": target_config.num_hidden_layers,
+            "hidden_size": target_config.hidden_size,
+            "vocab_size": target_config.vocab_size,
+            "aux_layer_ids": aux_layer_ids,
+            "tokenizer_hash": tokenizer_hash(tokenizer),
+            "dataset_fingerprint": dataset_fingerprint,
+            "eval_fraction": cfg.data.eval_fraction,
+            "split_by": SPLIT_BY,
+            "max_length": cfg.render.max_length,
+            "overlong": cfg.render.overlong,
+            "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
+            "draft_vocab_size": cfg.cache.draft_vocab_size,
+            "draft_vocab_fill": cfg.cache.draft_vocab_fill,
+            "hidden_states": cfg.cache.hidden_states,  # false: tokens only, for train.features=online
+            # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
+            # regeneration writes each chunk's)
+            "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
+        }
+        | ({"chat_template_kwargs": kwargs} if (kwargs := served_template_kwargs(cfg)) else {})
+        | (
+            # the text path's samples are the generated ids (they were the answers' re-rendered text): a cache
+            # made the old way is refused, not finished with samples of the new
+            {"regenerated_samples": "generated_ids"} if cfg.regen.enabled and not vllm_capture(cfg) else {}
+        )
+    )
+
+
+def vllm_capture(cfg) -> bool:
+    """Whether vLLM captures the states (in the regeneration pass, where there is one)."""
+    return cfg.capture.engine == "vllm" and cfg.cache.hidden_states
 
 
 def chat_template_file(target_cfg) -> str | None:
@@ -198,9 +212,9 @@ def run(cfg: DictConfig) -> dict:
 
     conversations = loaded.conversations
     template_kwargs = served_template_kwargs(cfg)  # the thinking mode every rendering and request passes
-    regen_record, chunk_shards = None, None
+    regen_record, chunk_shards, regen_samples = None, None, None
     tdir = str(target_dir(cfg.target))
-    vllm_states_needed = cfg.capture.engine == "vllm" and cfg.cache.hidden_states
+    vllm_states_needed = vllm_capture(cfg)
     layers = capture_layers(cfg, target_config, aux_layer_ids) if vllm_states_needed else None
     rank = accelerator.process_index
     if cfg.regen.enabled:
@@ -210,7 +224,7 @@ def run(cfg: DictConfig) -> dict:
         # The engine and its files never outlive this process, however it dies.
         storage = [storage_dir(cache_dir, rank)] if chunks else []
         with vllm_log_file(run_dir / "logs" / f"{rank_name}.log"), leash(run_dir, rank_name, remove=storage):
-            conversations, regen_record, chunk_shards = regenerate_rank_share(
+            conversations, regen_record, regenerated = regenerate_rank_share(
                 answer_samples(conversations, cfg.regen),
                 tokenizer,
                 tdir,
@@ -221,6 +235,7 @@ def run(cfg: DictConfig) -> dict:
                 template_kwargs,
             )
         log.info("regenerated answers with the target: %s", regen_record)
+        chunk_shards, regen_samples = (regenerated, None) if chunks else (None, regenerated)
 
     split_convs = {
         "train": [c for c in conversations if not is_held_out(c, cfg.data.eval_fraction)],
@@ -234,6 +249,15 @@ def run(cfg: DictConfig) -> dict:
                    for split in SPLITS}  # fmt: skip
         skipped.update({k: regen_record[k] for k in ("too_long", "no_loss_tokens") if k in regen_record})
         num_truncated = regen_record.get("truncated", 0)
+    elif regen_samples is not None:  # the text path: each sample the request's ids and the generated ids
+        held_out = {c.id for c in split_convs["eval"]}
+        samples = {split: [] for split in SPLITS}
+        for found in regen_samples:
+            sample = RenderedSample(found["id"], found["input_ids"], found["loss_mask"])
+            sample = fit_length(sample, cfg.render.max_length, cfg.render.overlong, skipped)
+            if sample is not None:
+                num_truncated += sample.truncated
+                samples["eval" if found["conversation"] in held_out else "train"].append(sample)
     else:
         for split in SPLITS:
             samples[split], split_skipped, truncated = render_all(

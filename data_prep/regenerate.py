@@ -123,13 +123,17 @@ def regenerate_conversations(
     logged results no longer answer them); it is cut before the first turn the target answers with nothing,
     or whose prompt does not fit the engine's `max_model_len` (and dropped if that is its first answer).
 
-    `capture` (a target/capture.CaptureEngine whose engine is `llm`): the states are captured in the same
-    pass. A turn's request holds the earlier answers as they were generated while the template keeps
-    history (its prompt's mask has them); then only the conversation's last request is kept, else each
-    request whose answers the next one rewrites is a sample of its own (`<id>/turn<n>`, as render_samples
-    names them). Each goes to `sink` as soon as its states are read: its tokens (the prompt and the answer's
-    tokens but the last, which no forward pass reads), its loss mask, its aux and final states and the
-    regenerated conversation.
+    Every trained token is one the target generated, as it generated it: a sample is a request's token ids
+    and the answer's generated ids (an answer cut at `max_new_tokens` stays cut: no end of turn is added). A
+    request that holds the previous request and its answer token for token carries that answer's mask, and
+    the previous request is no sample of its own; a request whose template re-rendered the earlier answers
+    otherwise (Qwen3 drops the reasoning of earlier turns; a parser's content may render with other
+    whitespace) trains none of them, and the previous request and its answer are a sample of their own
+    (`<id>/turn<n>`, as render_samples names them). An answer to a logged turn of `weight` 0 is not trained.
+    Each sample goes to `sink` as it is made: its id, `conversation` (the regenerated one), token ids and
+    loss mask, and with `capture` (a target/capture.CaptureEngine whose engine is `llm`, which captures the
+    states in the same pass) its aux and final states - for the prompt and the answer's tokens but the last,
+    which no forward pass reads.
     """
     check_tool_parser(conversations, cfg)
     reader = AnswerReader(
@@ -141,20 +145,27 @@ def regenerate_conversations(
     history = [[] for _ in conversations]
     alive = [bool(s) for s in steps]
     diverged = [False] * len(conversations)
-    last = {}  # conversation -> (its prompt, the output, its number of answers) of its last answered turn
+    last = {}  # conversation -> (ids, loss mask, output, number of answers) of its last request and answer
     num_own = Counter()  # conversation -> the samples it sent to `sink` before its last
 
+    def discard(output) -> None:
+        if capture is not None:
+            capture.discard(output)
+
     def emit(i: int) -> None:
-        prompt, output, turn = last.pop(i)
+        ids, mask, output, turn = last.pop(i)
         conv = conversations[i]
-        answer = list(output.outputs[0].token_ids)[:-1]
-        ids = prompt.input_ids + answer
         split_id = f"{conv.id}/turn{turn}" if num_own[i] or alive[i] else conv.id
-        aux, final = capture.states(output, ids, f"conversation {conv.id!r}")
-        done = type(conv)(id=conv.id, messages=history[i], tools=conv.tools)
-        sink({"id": split_id, "input_ids": ids, "loss_mask": prompt.loss_mask + [1] * len(answer),
-              "aux_hidden": aux, "final_hidden": final, "conversation": done})  # fmt: skip
         num_own[i] += 1
+        done = type(conv)(id=conv.id, messages=history[i], tools=conv.tools)
+        sample = {"id": split_id, "conversation": done}
+        if capture is not None:  # the states of every token a forward pass read: all but the last
+            ids, mask = ids[:-1], mask[:-1]
+            sample["aux_hidden"], sample["final_hidden"] = capture.states(
+                output, ids, f"conversation {conv.id!r}"
+            )
+        if sink is not None:
+            sink(sample | {"input_ids": ids, "loss_mask": mask})
 
     try:
         for turn in range(max(map(len, steps), default=0)):
@@ -174,7 +185,7 @@ def regenerate_conversations(
                     ] += 1
                     alive[i], history[i] = False, []  # dropped whole: its earlier answers were rendered
                     if i in last:  # in a context this turn's template rejects
-                        capture.discard(last.pop(i)[1])
+                        discard(last.pop(i)[2])
                     continue
                 # vLLM refuses a whole call over one prompt longer than the engine: leave those out here.
                 if len(prompt.input_ids) >= max_model_len:
@@ -198,8 +209,7 @@ def regenerate_conversations(
                 if not answered(answer):
                     counts["empty_answer"] += 1
                     alive[i] = False
-                    if capture is not None:
-                        capture.discard(output)
+                    discard(output)
                     continue
                 logged = steps[i][turn][1]
                 if tool_calls_of(answer) != tool_calls_of(logged):
@@ -209,14 +219,20 @@ def regenerate_conversations(
                     answer["tool_calls"] = [{**new, **({"id": old["id"]} if "id" in old else {})}
                                             for new, old in zip(answer["tool_calls"], logged["tool_calls"])]  # fmt: skip
                 counts["tool_calls_regenerated"] += len(answer.get("tool_calls") or [])
+                if logged.get("weight") == 0:  # a turn the log says not to train (OpenAI's fine-tuning field)
+                    answer["weight"] = 0
                 history[i] = requests[i] + [answer]
-                if capture is not None:
-                    if i in last:
-                        if any(prompt.loss_mask):  # this request holds that one's answers as generated
-                            capture.discard(last.pop(i)[1])
-                        else:  # the template rewrote them: that request is a sample of its own
-                            emit(i)
-                    last[i] = (prompt, output, turn + 1)
+                mask = [0] * len(prompt.input_ids)
+                if i in last:
+                    held_ids, held_mask, held_output, _ = last[i]
+                    if prompt.input_ids[: len(held_ids)] == held_ids:  # it holds that answer as generated
+                        discard(last.pop(i)[2])
+                        mask[: len(held_mask)] = held_mask
+                    else:  # the template re-rendered it: that request and its answer are a sample of their own
+                        emit(i)
+                generated = list(completion.token_ids)
+                trained = int(logged.get("weight", 1) != 0)
+                last[i] = (prompt.input_ids + generated, mask + [trained] * len(generated), output, turn + 1)
                 alive[i] = alive[i] and not diverged[i]
 
         regenerated = []
@@ -227,12 +243,12 @@ def regenerate_conversations(
             regenerated.append(type(conv)(id=conv.id, messages=messages, tools=conv.tools))
             ended_early = not ok and not diverged[i] or diverged[i] and len(messages) < len(conv.messages)
             counts["conversations_cut_short"] += int(ended_early)
-            if capture is not None:
+            if i in last:
                 alive[i] = False  # its last sample: named `<id>` unless an earlier one was its own
                 emit(i)
     finally:
-        for _, output, _ in last.values():  # an error or an interrupt: no capture file is left behind
-            capture.discard(output)
+        for _, _, output, _ in last.values():  # an error or an interrupt: no capture file is left behind
+            discard(output)
     return regenerated, counts
 
 
@@ -270,11 +286,13 @@ def regenerate_rank_share(
     """Regenerate this rank's chunks (reusing finished ones), then read every chunk in order.
 
     Returns the conversations, a record for the manifest (counts of what happened, the vLLM version and
-    the checksum of each chunk file of regenerated conversations, in `out_dir`) and each chunk's shards.
+    the checksum of each chunk file of regenerated conversations, in `out_dir`) and the samples.
 
     `capture` (data_prep/capture.CapturedChunks): the states are captured in the same pass and each chunk's
     samples written as cache shards ({split: [file names]}) before its chunk file; a chunk counts as finished
-    only when its shards verify too. None: no states, and the shards returned are None.
+    only when its shards verify too; the samples returned are each chunk's shards. None: no states, and the
+    chunk file holds its samples' token ids and loss masks (`{"id", "conversation", "input_ids",
+    "loss_mask"}`), which are returned.
     """
     import vllm
 
@@ -294,7 +312,8 @@ def regenerate_rank_share(
         data = json.loads(chunk_path(c).read_text())
         if data.get("ids") != ids(c):  # written for other chunks (another regen.batch_size or data)
             return False
-        return capture is None or capture.verify(data.get("shards"))
+        # a chunk file of an older version holds conversations only, not the generated ids: made again
+        return capture.verify(data.get("shards")) if capture is not None else "samples" in data
 
     if accelerator.is_main_process:
         remove_stale_chunks(out_dir, {chunk_path(c).name for c in range(len(chunks))}, cfg.batch_size)
@@ -312,30 +331,36 @@ def regenerate_rank_share(
                 log.info("regenerating chunk %d of %d (%d conversations; %d/%d of this rank's)",
                          c + 1, len(chunks), len(chunks[c]), number + 1, len(todo))  # fmt: skip
                 if capture is None:
+                    found = []
                     new, counts = regenerate_conversations(
-                        engine, tokenizer, chunks[c], cfg, template_kwargs=template_kwargs
+                        engine, tokenizer, chunks[c], cfg, None, found.append, template_kwargs
                     )
-                    shards = {}
+                    samples = {"samples": [{"id": s["id"], "conversation": s["conversation"].id,
+                                            "input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
+                                           for s in found]}  # fmt: skip
                 else:
                     writer = capture.chunk_writer(c)  # shards of cache.max_shard_mb, written as they fill
                     new, counts = regenerate_conversations(
                         engine.llm, tokenizer, chunks[c], cfg, engine, writer.add, template_kwargs
                     )
-                    shards = {"shards": writer.close()}
+                    samples = {"shards": writer.close()}
                     counts.update(writer.counts)
                 conversations_done = [{"id": x.id, "messages": x.messages} for x in new]
                 atomic.write_json(
                     chunk_path(c),
-                    {"ids": ids(c), "counts": counts, **shards, "conversations": conversations_done},
+                    {"ids": ids(c), "counts": counts, **samples, "conversations": conversations_done},
                 )
     accelerator.wait_for_everyone()
 
-    by_id, counts, shards = {}, Counter(), []
+    by_id, counts, samples = {}, Counter(), []
     for c in range(len(chunks)):
         data = json.loads(chunk_path(c).read_text())
         counts.update(data["counts"])
         by_id.update({x["id"]: x["messages"] for x in data["conversations"]})
-        shards.append(data.get("shards"))
+        if capture is None:
+            samples += data["samples"]
+        else:
+            samples.append(data["shards"])
     counts = {
         **counts,
         "vllm_version": vllm.__version__,
@@ -344,4 +369,4 @@ def regenerate_rank_share(
     kind = type(conversations[0])
     regenerated = [kind(id=c.id, messages=by_id[c.id], tools=c.tools)
                    for c in conversations if c.id in by_id]  # fmt: skip
-    return regenerated, counts, (shards if capture is not None else None)
+    return regenerated, counts, samples

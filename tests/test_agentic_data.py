@@ -264,6 +264,95 @@ def test_capturing_while_regenerating_keeps_a_sample_per_request_the_template_re
         assert sample.loss_mask.index(1) == start and sample.input_ids[:start] == rendered.input_ids[:start]
 
 
+class ScriptedEngine:
+    """vLLM's LLM as regeneration uses it, answering its prompts in turn with scripted (text, finish reason)
+    pairs: the ids of the text, and the end of turn unless it was cut at the token limit."""
+
+    def __init__(self, tokenizer, answers):
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))
+        self.tokenizer, self.answers, self.generated = tokenizer, iter(answers), []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outputs = []
+        for _ in prompts:
+            text, finish = next(self.answers)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += [] if finish == "length" else [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            self.generated.append(ids)
+            outputs.append(
+                SimpleNamespace(outputs=[SimpleNamespace(text=text, finish_reason=finish, token_ids=ids)])
+            )
+        return outputs
+
+
+def masked_ids(sample) -> list[list[int]]:
+    """The token ids of each maximal run of trained tokens."""
+    pieces, run = [], []
+    for token, bit in zip(sample["input_ids"] + [None], sample["loss_mask"] + [0]):
+        if bit:
+            run.append(token)
+        elif run:
+            pieces, run = pieces + [run], []
+    return pieces
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["text", "capture"])
+def test_a_cut_answer_is_trained_as_cut_with_exactly_the_generated_ids(tokenizer, conversations, captured):
+    """Both regeneration paths train each answer's generated ids once, as generated: a turn cut at
+    regen.max_new_tokens gets no closing `</think>` or end of turn, however the next request renders it
+    (the capture path's samples stop before the last token, which no forward pass reads)."""
+    from data_prep.regenerate import regenerate_conversations
+
+    conv = conversations["plain-chat"]
+    engine = ScriptedEngine(tokenizer, [("<think>\nThe user asks for the capital of Ita", "length"),
+                                        ("<think>\nSpain.\n</think>\n\nMadrid.", "stop")])  # fmt: skip
+    capture, samples = (ReplayCapture(engine) if captured else None), []
+    cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=12, reasoning_parser="qwen3")
+    new, counts = regenerate_conversations(engine, tokenizer, [conv], cfg, capture, samples.append)
+    assert counts["finish_length"] == 1 and len(new[0].messages) == len(conv.messages)
+    trained = [run for sample in samples for run in masked_ids(sample)]
+    cut, whole = engine.generated
+    assert len(samples) == 2  # the template rewrote the cut answer in the second request: a sample each
+    assert trained == ([cut[:-1], whole[:-1]] if captured else [cut, whole])
+    assert "</think>" not in tokenizer.decode(trained[0]) and "<|im_end|>" not in tokenizer.decode(trained[0])
+    for sample in samples:  # every sample is a request's ids, then the answer's as generated
+        answer = next(
+            ids
+            for ids in engine.generated
+            if sample["input_ids"][-len(ids) + captured :] == ids[: len(ids) - captured]
+        )
+        assert sum(sample["loss_mask"]) == len(answer) - captured
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["text", "capture"])
+def test_a_request_holding_a_cut_answer_trains_it_once_and_not_the_end_of_turn_its_template_adds(captured):
+    """A template that keeps history (ChatML) renders the cut answer with an end of turn in the next request:
+    one sample holds both answers, and of the first only the ids the target generated are trained."""
+    from artifacts.conversation import Conversation
+    from artifacts.smoke import build_tokenizer
+    from data_prep.regenerate import regenerate_conversations
+
+    chatml = build_tokenizer()
+    turns = [
+        ("user", "Capital of Italy?"),
+        ("assistant", "Rome."),
+        ("user", "And Spain?"),
+        ("assistant", "Madrid."),
+    ]
+    conv = Conversation("two-turns", [{"role": r, "content": c} for r, c in turns])
+    engine = ScriptedEngine(chatml, [("The capital of Italy is", "length"), ("Madrid.", "stop")])
+    capture, samples = (ReplayCapture(engine) if captured else None), []
+    cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=5)
+    regenerate_conversations(engine, chatml, [conv], cfg, capture, samples.append)
+    cut, whole = engine.generated
+    (sample,) = samples
+    assert sample["id"] == "two-turns" and masked_ids(sample) == [cut, whole[: len(whole) - captured]]
+    after_cut = sample["input_ids"].index(cut[-1]) + 1
+    assert (
+        chatml.decode(sample["input_ids"][after_cut]) == "<|im_end|>" and not sample["loss_mask"][after_cut]
+    )
+
+
 def test_reasoning_off_asks_the_target_not_to_think_and_its_answers_carry_none(tokenizer, conversations):
     """regen.reasoning=off: the template kwargs gain regen.reasoning_off_kwargs (the thinking mode of the
     cache and the head); the answers regenerated under them are read without reasoning."""

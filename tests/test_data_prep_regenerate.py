@@ -78,7 +78,7 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
 
     calls = []
 
-    def fake_regenerate(llm, tokenizer, conversations, cfg, template_kwargs=None):
+    def fake_regenerate(llm, tokenizer, conversations, cfg, capture=None, sink=None, template_kwargs=None):
         calls.append([c.id for c in conversations])
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -86,6 +86,8 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
             Conversation(c.id, c.messages[:1] + [{"role": "assistant", "content": "ok"}])
             for c in conversations
         ]
+        for number, c in enumerate(answered):
+            sink({"id": c.id, "conversation": c, "input_ids": [1, 2, number], "loss_mask": [0, 1, 1]})
         return answered, {"finish_stop": len(conversations)}
 
     monkeypatch.setattr(regenerate, "start_engine", lambda *args: nullcontext(object()))
@@ -106,7 +108,11 @@ def test_an_interrupted_regeneration_keeps_its_finished_chunks(tmp_path, monkeyp
     assert [c.id for c in new] == [f"c{i}" for i in range(5)]
     assert all(c.messages[-1]["content"] == "ok" for c in new)
     assert record["finish_stop"] == 5 and len(record["files"]) == 3
-    assert shards is None  # no capture: the states are not in the chunks
+    # no capture: the chunks hold each sample's generated ids, read back in order
+    assert [(x["id"], x["conversation"], x["input_ids"]) for x in shards] == [
+        ("c0", "c0", [1, 2, 0]), ("c1", "c1", [1, 2, 1]), ("c2", "c2", [1, 2, 0]), ("c3", "c3", [1, 2, 1]),
+        ("c4", "c4", [1, 2, 0]),
+    ]  # fmt: skip
 
 
 def test_another_batch_size_regenerates_chunks_it_changes_and_removes_stale_files(tmp_path, monkeypatch):
@@ -119,7 +125,7 @@ def test_another_batch_size_regenerates_chunks_it_changes_and_removes_stale_file
 
     calls = []
 
-    def fake_regenerate(llm, tokenizer, conversations, cfg, template_kwargs=None):
+    def fake_regenerate(llm, tokenizer, conversations, cfg, capture=None, sink=None, template_kwargs=None):
         calls.append(len(conversations))
         answered = [Conversation(c.id, c.messages[:1] + [{"role": "assistant", "content": "ok"}])
                     for c in conversations]  # fmt: skip
