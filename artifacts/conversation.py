@@ -8,9 +8,16 @@ a tool call, by that call's `tool` results. A record that cannot be used raises 
 reason `data_prep/sources.py` counts it under.
 
 A kept message is `{"role", "content"}` with, where the record has them, `reasoning_content` (from
-`reasoning_content`, `reasoning` or `thinking`), `tool_calls` (`[{"type": "function", "function": {"name",
-"arguments": {...}}, "id"?}]`, arguments parsed from their JSON string as vLLM parses them before
-rendering), `tool_call_id` and `name`. The request's `tools` (function schemas) stay on the conversation.
+`reasoning`, else `reasoning_content`, as vLLM 0.32 reads them; a `thinking` field it ignores, and so does
+this), `tool_calls` (`[{"type": "function", "function": {"name", "arguments": {...}}, "id"?}]`, arguments
+parsed from their JSON string as vLLM parses them before rendering), `tool_call_id` and `name`, `weight` 0
+(OpenAI's fine-tuning field: the turn is not trained) and `finish_reason: "length"` (a response cut at the
+token limit). The request's `tools` (function schemas) and `chat_template_kwargs` stay on the conversation.
+A record logged as a request and its response is read as its messages and then the response
+(`request_record`).
+
+On purpose unlike vLLM 0.32: a legacy assistant `function_call` is read as a tool call and a `function`
+message as its result (vLLM drops the call and passes the role through, so the answer would render empty).
 """
 
 from __future__ import annotations
@@ -52,7 +59,9 @@ def content_text(content) -> str | None:
     return "\n".join(texts)
 
 
-REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # how servers and datasets name it
+# How servers and datasets name it, in vLLM 0.32's order: it reads `reasoning`, else `reasoning_content`
+# (a message's `thinking` it ignores, and so does this).
+REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
 @dataclass
@@ -60,6 +69,50 @@ class Conversation:
     id: str  # `id_field` of the record, else a hash of the messages; `name/` first in a mix; unique in a load
     messages: list[dict]  # [{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]
     tools: list[dict] | None = field(default=None)  # the request's function schemas, passed as `tools=`
+    # the request's own chat-template kwargs (its thinking mode), over the run's `render.chat_template_kwargs`
+    template_kwargs: dict | None = field(default=None)
+
+
+def request_record(record: Any) -> Any:
+    """A record logged as a request and its response (`{"request": {"messages", "tools", ...}, "response":
+    {"choices": [{"message", "finish_reason"}]}}`, as logging proxies write them) as one record: the
+    request's fields, its messages followed by the response's message (with its `finish_reason`). Any other
+    record is returned as it is."""
+    if not (isinstance(record, dict) and isinstance(record.get("request"), dict) and "response" in record):
+        return record
+    request, response = record["request"], record["response"]
+    choices = response.get("choices") if isinstance(response, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    if not isinstance(request.get("messages"), list) or not isinstance(choice, dict):
+        raise SkippedRecord("malformed_record")
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise SkippedRecord("malformed_record")
+    message = {"role": "assistant", **message}
+    if choice.get("finish_reason") == "length":
+        message["finish_reason"] = "length"
+    found_id = record.get("id", response.get("id"))
+    return {**request, "messages": [*request["messages"], message]} | ({"id": found_id} if found_id else {})
+
+
+def record_template_kwargs(record: Any) -> dict | None:
+    """The request's chat-template kwargs as vLLM 0.32 passes them to the template: its
+    `chat_template_kwargs`, then its top-level `reasoning_effort` over them (and `enable_thinking` from it,
+    `reasoning_effort != "none"`, unless the kwargs set it); None values ignored. None without any."""
+    kwargs = record.get("chat_template_kwargs") if isinstance(record, dict) else None
+    if isinstance(kwargs, str):  # some dumps store it as a JSON string
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError:
+            raise SkippedRecord("malformed_template_kwargs") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise SkippedRecord("malformed_template_kwargs")
+    kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
+    effort = record.get("reasoning_effort") if isinstance(record, dict) else None
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", effort != "none")
+        kwargs["reasoning_effort"] = effort
+    return kwargs or None
 
 
 class SkippedRecord(Exception):
@@ -181,12 +234,19 @@ def message_of(role: str, content: Any, turn: dict) -> dict:
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
+        if turn.get("weight") == 0:  # OpenAI's fine-tuning field: this turn is context, not trained
+            message["weight"] = 0
+        if turn.get("finish_reason") == "length":  # cut at the token limit: no end of turn was generated
+            message["finish_reason"] = "length"
     if role == "tool":
         if turn.get("tool_call_id") is not None:
             message["tool_call_id"] = str(turn["tool_call_id"])
         if isinstance(turn.get("name"), str):
             message["name"] = turn["name"]
     return message
+
+
+SYSTEM_ROLES = ("system", "developer")  # the instructions a conversation opens with
 
 
 def answered(message: dict) -> bool:
@@ -217,12 +277,14 @@ def normalize_messages(
             raise SkippedRecord("unknown_role")
         messages.append(message_of(role, content, turn))
 
-    system = messages[:1] if messages[0]["role"] == "system" else []
-    after_system = messages[len(system) :]
+    num_system = next((i for i, m in enumerate(messages) if m["role"] not in SYSTEM_ROLES), len(messages))
+    system, after_system = messages[:num_system], messages[num_system:]
     # ShareGPT dumps often begin with an answer whose question was cut off (about a third of ShareGPT
     # V3): that answer has no prompt to condition on, so it is dropped and the rest is kept.
-    while after_system and after_system[0]["role"] in ("assistant", "tool"):
+    while after_system and after_system[0]["role"] == "assistant":
         after_system = after_system[1:]
+    if after_system and after_system[0]["role"] == "tool":  # a result whose call the log lost: the server
+        raise SkippedRecord("orphan_tool_result")  # rendered it, so without it no answer is as served
     if not after_system:
         raise SkippedRecord("no_assistant_turn")
     check_order(after_system)
@@ -238,7 +300,7 @@ def normalize_messages(
         raise SkippedRecord("no_assistant_turn")
     if not all(answered(message) for message in assistant_turns):
         raise SkippedRecord("empty_assistant_turn")
-    if system_prompt and messages[0]["role"] != "system":
+    if system_prompt and messages[0]["role"] not in SYSTEM_ROLES:
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
 
@@ -249,7 +311,7 @@ def check_order(messages: list[dict]) -> None:
     pending: list[str | None] = []  # the ids of the calls the last assistant made that no result answered
     for message in messages:
         role = message["role"]
-        if role == "system":
+        if role in SYSTEM_ROLES:
             raise SkippedRecord("not_alternating")
         if role == "tool":
             if previous not in ("assistant", "tool") or previous == "assistant" and not pending:

@@ -10,7 +10,13 @@ import json
 from pathlib import Path
 
 from artifacts.config import DEFAULT_ROLE_MAP
-from artifacts.conversation import SkippedRecord, content_text, message_of, record_tools
+from artifacts.conversation import (
+    SkippedRecord,
+    content_text,
+    message_of,
+    record_template_kwargs,
+    record_tools,
+)
 
 
 def record_messages(record) -> list[dict]:
@@ -80,14 +86,21 @@ def read_conversations(path: Path) -> list[dict]:
 
 
 def read_record(record, default_id: str) -> dict:
-    """One record as `{"id", "messages"}` (and `"tools"` where it has some); ValueError says what is wrong."""
+    """One record as `{"id", "messages"}` (and `"tools"`, `"chat_template_kwargs"` where it has some);
+    ValueError says what is wrong."""
     messages = record_messages(record)
     try:
         tools = record_tools(record)
+        kwargs = record_template_kwargs(record)
     except SkippedRecord as skipped:
-        raise ValueError(f"`tools` cannot be read ({skipped.reason})") from None
+        raise ValueError(f"`tools` or `chat_template_kwargs` cannot be read ({skipped.reason})") from None
     entry = {"id": record.get("id", default_id), "messages": messages}
-    return entry | ({"tools": tools} if tools else {})
+    return entry | ({"tools": tools} if tools else {}) | ({"chat_template_kwargs": kwargs} if kwargs else {})
+
+
+def own_kwargs(template_kwargs: dict | None, conversation: dict) -> dict:
+    """A request's chat-template kwargs as vLLM merges them: the served ones, the request's own over them."""
+    return {**(template_kwargs or {}), **conversation.get("chat_template_kwargs", {})}
 
 
 def agentic(conversation: dict) -> bool:
@@ -140,12 +153,27 @@ def served_template_kwargs(cfg) -> dict:
     return kwargs
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as vLLM hands them to a chat template: reasoning under both names templates read it by."""
-    return [
-        {**m, "reasoning": m["reasoning_content"]} if m.get("reasoning_content") is not None else m
+# what the pipeline keeps on a message and no template sees (data_prep/render.py, data_prep/request_log.py)
+NOT_RENDERED = ("weight", "finish_reason", "history_without_reasoning")
+
+
+def template_messages(messages: list[dict], chat_template: str | None = None) -> list[dict]:
+    """Messages as vLLM 0.32 hands them to a chat template: reasoning under both names templates read it by;
+    for a template that names no `developer` role, developer messages as system messages, every system
+    message merged into one first (joined by blank lines)."""
+    messages = [
+        {k: v for k, v in m.items() if k not in NOT_RENDERED}
+        | ({"reasoning": m["reasoning_content"]} if m.get("reasoning_content") is not None else {})
         for m in messages
     ]
+    developer_role = isinstance(chat_template, str) and (
+        '"developer"' in chat_template or "'developer'" in chat_template
+    )
+    if developer_role or not any(m["role"] == "developer" for m in messages):
+        return messages
+    system = [m["content"] for m in messages if m["role"] in ("system", "developer") and m["content"]]
+    rest = [m for m in messages if m["role"] not in ("system", "developer")]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest]
 
 
 def apply_template(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=True,
@@ -153,7 +181,7 @@ def apply_template(tokenizer, messages, tools=None, template_kwargs=None, add_ge
     """The chat template on a request as the server applies it: its messages (template_messages), its tools
     and the template kwargs it is served with; text, or token ids with `tokenize`."""
     return tokenizer.apply_chat_template(
-        template_messages(messages),
+        template_messages(messages, tokenizer.chat_template),
         tools=tools,
         add_generation_prompt=add_generation_prompt,
         tokenize=tokenize,
@@ -182,7 +210,8 @@ def held_out_prompts(cache_dir: Path, tokenizer, num_prompts: int, template_kwar
     if not conversations:
         raise ValueError(f"{path} holds no conversations: no held-out prompts to decode")
     return [
-        prompt_token_ids(tokenizer, c["messages"], c.get("tools"), template_kwargs) for c in conversations
+        prompt_token_ids(tokenizer, c["messages"], c.get("tools"), own_kwargs(template_kwargs, c))
+        for c in conversations
     ]
 
 

@@ -45,7 +45,7 @@ from data_prep.capture import (
 )
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
 from data_prep.regenerate import answer_samples, regen_settings, regenerate_rank_share
-from data_prep.render import RenderedSample, fit_length, render_all
+from data_prep.render import RenderedSample, fit_length, render_all, request_kwargs
 from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging
 from target.model import (
@@ -352,6 +352,8 @@ def run(cfg: DictConfig) -> dict:
             "num_loss_tokens": {split: sum(sum(s.loss_mask) for s in samples[split]) for split in SPLITS},
             "num_truncated": num_truncated,
             "skipped": dict(sorted(skipped.items())),
+            "merged_requests": dict(loaded.merged),  # per-request logs: data_prep/request_log.py
+            "num_samples_by_mode": samples_by_mode(samples["train"], split_convs["train"], template_kwargs),
             "source_problems": loaded.problems,
             "regeneration_record": regen_record,
             "capture": capture_record(cfg, layers),
@@ -367,6 +369,14 @@ def run(cfg: DictConfig) -> dict:
         log.info("cache complete: %s (%s)", cache_dir, {s: manifest["num_samples"][s] for s in SPLITS})
     accelerator.wait_for_everyone()
     return manifest
+
+
+def samples_by_mode(samples, conversations, template_kwargs) -> dict[str, int]:
+    """The training samples per thinking mode (the chat-template kwargs each was rendered and asked with, as
+    JSON: a log may mix modes)."""
+    modes = {c.id: json.dumps(request_kwargs(template_kwargs, c), sort_keys=True) for c in conversations}
+    served = json.dumps(template_kwargs or {}, sort_keys=True)
+    return dict(Counter(modes.get(s.id, modes.get(s.id.rsplit("/turn", 1)[0], served)) for s in samples))
 
 
 def collect_shards(split_dir: Path, names: list[str]) -> list[dict]:
@@ -404,7 +414,8 @@ def states_source(cfg, accelerator, run_dir, cache_dir, tokenizer, layers, aux_l
 
 
 def write_eval_conversations(path: Path, conversations) -> None:
-    lines = [json.dumps({"id": c.id, "messages": c.messages, **({"tools": c.tools} if c.tools else {})},
+    lines = [json.dumps({"id": c.id, "messages": c.messages, **({"tools": c.tools} if c.tools else {}),
+                         **({"chat_template_kwargs": c.template_kwargs} if c.template_kwargs else {})},
                         ensure_ascii=False) for c in conversations]  # fmt: skip
     atomic.write_bytes_if_changed(path, "".join(line + "\n" for line in lines).encode("utf-8"))
 

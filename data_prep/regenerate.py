@@ -13,12 +13,13 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from artifacts import atomic
 from artifacts.cache import file_sha256
 from artifacts.conversation import answered
-from data_prep.render import TemplateDropsTools, render_prompt
+from data_prep.render import SENT_WITHOUT_REASONING, TemplateDropsTools, render_prompt, request_kwargs
 from target.answers import AnswerReader, tool_calls_of
 from target.vllm import EngineSettings, running_llm
 
@@ -44,6 +45,8 @@ def regen_settings(cfg) -> dict:
     for key, default in (("reasoning", "keep"), ("tool_parser", None), ("reasoning_parser", None)):
         if getattr(cfg, key, default) != default:
             settings[key] = getattr(cfg, key)
+    if getattr(cfg, "tool_parser", None) or getattr(cfg, "reasoning_parser", None):
+        settings["decode"] = "as_served"  # special tokens kept where the parsers keep them (they were not)
     return settings
 
 
@@ -53,24 +56,25 @@ def answer_samples(conversations: list, cfg) -> list:
     n = cfg.samples_per_prompt
     if n == 1:
         return conversations
-    return [type(c)(id=f"{c.id}#{j}", messages=c.messages, tools=c.tools)
-            for c in conversations for j in range(n)]  # fmt: skip
+    return [replace(c, id=f"{c.id}#{j}") for c in conversations for j in range(n)]
 
 
-def sampling_params(cfg, conversation_id: str, turn: int):
+def sampling_params(cfg, conversation_id: str, turn: int, skip_special_tokens: bool = True):
     """The request's vLLM sampling: greedy at temperature 0 (and for sample 0 with `include_greedy`), else
     sampled with a seed of its own from (regen.seed, the conversation id, the turn): a sample's answer does
-    not depend on which requests share its batch, so a resumed chunk regenerates the same text."""
+    not depend on which requests share its batch, so a resumed chunk regenerates the same text. Decoded as
+    the server decodes it (`skip_special_tokens`, from the parsers: AnswerReader.skip_special_tokens)."""
     from vllm import SamplingParams
 
     greedy = cfg.temperature == 0 or (cfg.include_greedy and conversation_id.rsplit("#", 1)[-1] == "0")
     if greedy:
-        return SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens)
+        return SamplingParams(
+            temperature=0.0, max_tokens=cfg.max_new_tokens, skip_special_tokens=skip_special_tokens
+        )
     key = f"{cfg.seed}/{conversation_id}/{turn}".encode()
     seed = int.from_bytes(hashlib.sha256(key).digest()[:4], "little")
-    return SamplingParams(
-        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=seed
-    )
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                          seed=seed, skip_special_tokens=skip_special_tokens)  # fmt: skip
 
 
 def start_engine(target_path: str, cfg, device_index: int | None = None):
@@ -116,7 +120,8 @@ def regenerate_conversations(
 
     Each turn's prompt is the history so far (the target's earlier answers, as the server renders them) and
     the logged messages that led to the turn (a user turn, or the results of the calls it answers), rendered
-    here with the target's chat template, its tools and `template_kwargs` (data_prep/render.py), and sent
+    here with the target's chat template, its tools and `template_kwargs` (the request's own over them:
+    data_prep/render.py), and sent
     as token ids, so the engine reads exactly the tokens the cache will hold. The answer is read as the
     server reads it (target/answers.py: `regen.reasoning_parser`, `regen.tool_parser`). A conversation
     ends after a regenerated turn whose tool calls differ from the logged ones (`tool_call_diverged`: the
@@ -140,6 +145,8 @@ def regenerate_conversations(
         tokenizer, getattr(cfg, "tool_parser", None), getattr(cfg, "reasoning_parser", None), template_kwargs
     )
     max_model_len = llm.llm_engine.model_config.max_model_len
+    kwargs = [request_kwargs(template_kwargs, c) for c in conversations]  # each request's thinking mode
+    skips = [reader.skip_special_tokens(c.tools, k) for c, k in zip(conversations, kwargs)]
     counts = Counter()
     steps = [conversation_steps(c.messages) for c in conversations]
     history = [[] for _ in conversations]
@@ -157,7 +164,7 @@ def regenerate_conversations(
         conv = conversations[i]
         split_id = f"{conv.id}/turn{turn}" if num_own[i] or alive[i] else conv.id
         num_own[i] += 1
-        done = type(conv)(id=conv.id, messages=history[i], tools=conv.tools)
+        done = replace(conv, messages=history[i])
         sample = {"id": split_id, "conversation": done}
         if capture is not None:  # the states of every token a forward pass read: all but the last
             ids, mask = ids[:-1], mask[:-1]
@@ -175,8 +182,7 @@ def regenerate_conversations(
                     continue
                 messages = history[i] + steps[i][turn][0]
                 try:
-                    prompt = render_prompt(tokenizer, conv.id, messages, conv.tools,
-                                           template_kwargs)  # fmt: skip
+                    prompt = render_prompt(tokenizer, conv.id, messages, conv.tools, kwargs[i])
                 except Exception as error:  # a template may reject a record: skip it, as render_all does
                     log.warning("conversation %s: cannot render turn %d with the chat template: %s",
                                 conv.id, turn + 1, error)  # fmt: skip
@@ -197,7 +203,7 @@ def regenerate_conversations(
                 requests[i] = messages
             if not batch:
                 break
-            params = [sampling_params(cfg, conversations[i].id, turn) for i in batch]
+            params = [sampling_params(cfg, conversations[i].id, turn, skips[i]) for i in batch]
             if capture is None:
                 outputs = llm.generate(token_prompts([p.input_ids for p in prompts]), params, use_tqdm=True)
             else:
@@ -205,7 +211,7 @@ def regenerate_conversations(
             for i, prompt, output in zip(batch, prompts, outputs):
                 completion = output.outputs[0]
                 counts[f"finish_{completion.finish_reason}"] += 1
-                answer = reader.message(completion.text, conversations[i].tools)
+                answer = reader.message(completion.text, conversations[i].tools, kwargs[i])
                 if not answered(answer):
                     counts["empty_answer"] += 1
                     alive[i] = False
@@ -219,8 +225,8 @@ def regenerate_conversations(
                     answer["tool_calls"] = [{**new, **({"id": old["id"]} if "id" in old else {})}
                                             for new, old in zip(answer["tool_calls"], logged["tool_calls"])]  # fmt: skip
                 counts["tool_calls_regenerated"] += len(answer.get("tool_calls") or [])
-                if logged.get("weight") == 0:  # a turn the log says not to train (OpenAI's fine-tuning field)
-                    answer["weight"] = 0
+                # what the log says of the turn: not to train it (OpenAI's `weight`), sent back without reasoning
+                answer |= {k: logged[k] for k in ("weight", SENT_WITHOUT_REASONING) if k in logged}
                 history[i] = requests[i] + [answer]
                 mask = [0] * len(prompt.input_ids)
                 if i in last:
@@ -240,7 +246,7 @@ def regenerate_conversations(
             if not any(m["role"] == "assistant" for m in messages):
                 counts["conversations_dropped"] += 1
                 continue
-            regenerated.append(type(conv)(id=conv.id, messages=messages, tools=conv.tools))
+            regenerated.append(replace(conv, messages=messages))
             ended_early = not ok and not diverged[i] or diverged[i] and len(messages) < len(conv.messages)
             counts["conversations_cut_short"] += int(ended_early)
             if i in last:
@@ -366,7 +372,5 @@ def regenerate_rank_share(
         "vllm_version": vllm.__version__,
         "files": {chunk_path(c).name: file_sha256(chunk_path(c)) for c in range(len(chunks))},
     }
-    kind = type(conversations[0])
-    regenerated = [kind(id=c.id, messages=by_id[c.id], tools=c.tools)
-                   for c in conversations if c.id in by_id]  # fmt: skip
+    regenerated = [replace(c, messages=by_id[c.id]) for c in conversations if c.id in by_id]
     return regenerated, counts, samples

@@ -1,9 +1,12 @@
 """Render conversations with the target's own chat template and mark the tokens the target generates.
 
 A conversation is rendered as the server renders its requests: its `tools` passed as `tools=`, the
-template kwargs the head is served with (`render.chat_template_kwargs`, e.g. `enable_thinking`) passed
-through, a message's reasoning as `reasoning_content` (and `reasoning`, as vLLM passes it) and tool-call
-arguments as dicts.
+template kwargs the head is served with (`render.chat_template_kwargs`, e.g. `enable_thinking`) and the
+request's own over them (its thinking mode), a message's reasoning as `reasoning_content` (and `reasoning`,
+as vLLM passes it) and tool-call arguments as dicts; a turn sent back as history without its reasoning
+(`history_without_reasoning`) is so rendered in later requests. A turn of `weight` 0 is context, not trained; a turn
+cut at the token limit (`finish_reason: length`) is trained up to its last text, not the end of turn its
+template closes it with.
 
 The loss mask is found without any table of templates: for assistant turn i, the text the template
 produces for `messages[:i]` with the generation prompt is the request's prompt, and the text for
@@ -62,6 +65,16 @@ def check_tools_rendered(text: str, tools, message: dict | None = None) -> None:
         )
 
 
+SENT_WITHOUT_REASONING = "history_without_reasoning"  # a turn the client sent back without its reasoning
+
+
+def as_sent(messages: list[dict]) -> list[dict]:
+    """Messages as history in a later request: a turn a per-request log showed sent back without its
+    reasoning (data_prep/request_log.py) is rendered so, though the turn itself is trained with it."""
+    return [{k: v for k, v in m.items() if k != "reasoning_content"} if m.get(SENT_WITHOUT_REASONING) else m
+            for m in messages]  # fmt: skip
+
+
 def render_text(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=False) -> str:
     return apply_template(tokenizer, messages, tools, template_kwargs, add_generation_prompt, tokenize=False)
 
@@ -76,8 +89,10 @@ def answer_segments(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render_text(tokenizer, messages[:i], tools, template_kwargs, add_generation_prompt=True)
-        through_full = render_text(tokenizer, messages[: i + 1], tools, template_kwargs)
+        before = render_text(
+            tokenizer, as_sent(messages[:i]), tools, template_kwargs, add_generation_prompt=True
+        )
+        through_full = render_text(tokenizer, as_sent(messages[:i]) + [message], tools, template_kwargs)
         through = through_full.rstrip()
         if text is None:  # the first request: the tools are in it (or the template dropped them)
             check_tools_rendered(before, tools)
@@ -86,16 +101,27 @@ def answer_segments(
         else:  # a template whose generation prompt is not how it renders an answer's start
             span = _search_answer(through, message, before)
         check_tools_rendered(through[span[0] : span[1]], None, message)
+        if message.get("finish_reason") == "length":
+            span = (span[0], cut_end(through, message, span))
+        trained = [span] if message.get("weight", 1) != 0 else []  # weight 0: context only
         if text is not None and through.startswith(text.rstrip()) and span[0] >= len(text.rstrip()):
-            spans.append(span)
+            spans += trained
         else:
             if text is not None:
                 segments.append((text, spans, last))
-            spans = [span]
+            spans = trained
         text, last = through_full, i
     if text is not None:
         segments.append((text, spans, last))
     return segments
+
+
+def cut_end(through: str, message: dict, span: tuple[int, int]) -> int:
+    """Where an answer cut at the token limit ends in its rendering: after its last text (its content, or
+    its reasoning when cut while reasoning), before what the template closes it with."""
+    tail = message["content"].strip() or message.get("reasoning_content", "").strip()
+    start = through.rfind(tail, span[0], span[1]) if tail else -1
+    return start + len(tail) if start >= 0 else span[1]
 
 
 def _search_answer(through: str, message: dict, before: str) -> tuple[int, int]:
@@ -130,7 +156,7 @@ def render_samples(
     """The token ids and loss masks (untruncated) of a conversation's samples: one, `conv_id`, when the
     template keeps history as it was generated; else one per run of turns, `conv_id/turn<n>` with n the
     number of its last assistant turn (1-based)."""
-    segments = answer_segments(tokenizer, messages, tools, template_kwargs)
+    segments = [s for s in answer_segments(tokenizer, messages, tools, template_kwargs) if s[1]]
     if len(segments) == 1:
         return [_tokens(tokenizer, conv_id, segments[0][0], segments[0][1])]
     samples = []
@@ -146,10 +172,16 @@ def render_prompt(
     """The request that asks for the next answer (the generation prompt last), what regeneration sends the
     engine; its mask marks the earlier answers this request holds as they were generated (the last run of
     turns whose renderings are prefixes of it)."""
-    text = render_text(tokenizer, messages, tools, template_kwargs, add_generation_prompt=True)
+    text = render_text(tokenizer, as_sent(messages), tools, template_kwargs, add_generation_prompt=True)
     segments = answer_segments(tokenizer, messages, tools, template_kwargs)
     spans = segments[-1][1] if segments and text.startswith(segments[-1][0].rstrip()) else []
     return _tokens(tokenizer, conv_id, text, spans)
+
+
+def request_kwargs(template_kwargs: dict | None, conversation) -> dict:
+    """A request's chat-template kwargs as vLLM merges them: the run's (the server's defaults), then the
+    request's own over them."""
+    return {**(template_kwargs or {}), **(getattr(conversation, "template_kwargs", None) or {})}
 
 
 def render_all(
@@ -162,9 +194,8 @@ def render_all(
     samples, skipped, num_truncated = [], Counter(), 0
     for conv in conversations:
         try:
-            rendered = render_samples(
-                tokenizer, conv.id, conv.messages, getattr(conv, "tools", None), template_kwargs
-            )
+            kwargs = request_kwargs(template_kwargs, conv)
+            rendered = render_samples(tokenizer, conv.id, conv.messages, getattr(conv, "tools", None), kwargs)
         except TemplateDropsTools as error:
             log.warning("conversation %s: %s", conv.id, error)
             skipped["template_drops_tools"] += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,10 +38,13 @@ from artifacts.conversation import (
     extract_turns,
     normalize_messages,
     record_id,
+    record_template_kwargs,
     record_tools,
+    request_record,
 )
 from artifacts.prompts import first_turn_prompt
 from data_prep.records import read_records
+from data_prep.request_log import merge_requests
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ class LoadedConversations:
     skipped: collections.Counter  # reason -> number of records skipped for it
     problems: list[str]  # one line per file-level problem, naming the file and the line or byte offset
     fingerprint: str  # sha256 over ids + messages in order: changes whenever the training data does
+    # per-request logs (data_prep/request_log.py): records merged into a longer one, shared turns, lent reasoning
+    merged: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class UniqueIds:
@@ -81,12 +87,19 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
     check_data(cfg)
     conversations: list[Conversation] = []
     skipped: collections.Counter = collections.Counter()
+    merged: collections.Counter = collections.Counter()
     problems: list[str] = []
     ids = UniqueIds()
     seen: set[str] = set()  # content digests of the conversations kept so far, across every source
     for where, entry in sources_to_read(cfg):
         id_prefix = f"{entry.name}/" if cfg.mix else ""
         found, found_skipped, found_problems = read_source(entry, where, id_prefix, cfg, ids, seen)
+        if cfg.merge_requests:
+            found, found_merged = merge_requests(found)
+            merged.update({k: v for k, v in found_merged.items() if v})
+            if found_merged["merged"]:
+                logger.info("%s: %d records were requests of a longer one and are trained in it (%s)",
+                            where, found_merged["merged"], found_merged)  # fmt: skip
         if cfg.mix:
             logger.info("%s (%s): %d conversations (skipped: %s)",
                         where, entry.name, len(found), dict(found_skipped))  # fmt: skip
@@ -104,7 +117,8 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
         describe_sources(cfg),
         dict(skipped),
     )
-    return LoadedConversations(conversations, skipped, problems, fingerprint_conversations(conversations))
+    fingerprint = fingerprint_conversations(conversations)
+    return LoadedConversations(conversations, skipped, problems, fingerprint, merged)
 
 
 def sources_to_read(cfg: DataConfig) -> list[tuple[str, DataConfig | DataSourceConfig]]:
@@ -150,22 +164,24 @@ def read_source(
         if first_fields is None and isinstance(record, dict):
             first_fields = sorted(record)
         try:
+            record = request_record(record)
             turns = extract_turns(record, entry)
             messages = normalize_messages(turns, role_map, cfg.system_prompt, cfg.max_turns)
             tools = record_tools(record)
+            template_kwargs = record_template_kwargs(record)
         except SkippedRecord as skip:
             skipped[skip.reason] += 1
             continue
         if pattern and not pattern.search(next(m["content"] for m in messages if m["role"] == "user")):
             skipped["no_match"] += 1
             continue
-        digest = hashlib.sha256(canonical_json(content_of(messages, tools))).hexdigest()
+        digest = hashlib.sha256(canonical_json(content_of(messages, tools, template_kwargs))).hexdigest()
         if digest in seen:
             skipped["duplicate_conversation"] += 1
             continue
         seen.add(digest)
         conversation_id = ids.claim(id_prefix + record_id(record, messages, entry.id_field))
-        conversations.append(Conversation(conversation_id, messages, tools))
+        conversations.append(Conversation(conversation_id, messages, tools, template_kwargs))
         if entry.num_samples is not None and len(conversations) >= entry.num_samples:
             break  # stop reading: the rest of the source would be thrown away
 
@@ -200,9 +216,11 @@ def is_held_out(conversation: Conversation, eval_fraction: float) -> bool:
     return int(split_key(conversation)[:16], 16) < eval_fraction * 2**64
 
 
-def content_of(messages: list[dict], tools: list[dict] | None):
-    """What a conversation says, for digests: its messages, and its tools where the request had some (so
-    the digests of conversations without tools are what they were before tools were read)."""
+def content_of(messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None = None):
+    """What a conversation says, for digests: its messages, and its tools and template kwargs where the
+    request had some (so the digests of conversations without are what they were before these were read)."""
+    if template_kwargs:
+        return [messages, tools, template_kwargs]
     return messages if tools is None else [messages, tools]
 
 
@@ -210,7 +228,7 @@ def fingerprint_conversations(conversations: list[Conversation]) -> str:
     digest = hashlib.sha256()
     for conversation in conversations:
         # json.dumps escapes newlines inside strings, so b"\n" cleanly separates conversations.
-        content = content_of(conversation.messages, conversation.tools)
+        content = content_of(conversation.messages, conversation.tools, conversation.template_kwargs)
         digest.update(canonical_json([conversation.id, content]) + b"\n")
     return digest.hexdigest()
 

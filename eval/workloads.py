@@ -27,7 +27,14 @@ from typing import Any
 
 from artifacts.agent_data import AGENT_WORKLOAD_SEED
 from artifacts.agent_data import conversations as agent_conversations
-from artifacts.prompts import chat_prompt_ids, distinct_prompts, read_conversations, read_record, requests_of
+from artifacts.prompts import (
+    chat_prompt_ids,
+    distinct_prompts,
+    own_kwargs,
+    read_conversations,
+    read_record,
+    requests_of,
+)
 
 CODE_INSTRUCTION = (
     "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
@@ -139,8 +146,11 @@ def workload_prompts(
         conversations = read_conversations(path)
     if not conversations:
         raise ValueError(f"workload {source!r} holds no prompts")
-    requests = [(messages, c.get("tools")) for c in conversations for messages in requests_of(c)]
-    return [chat_prompt_ids(tokenizer, m, tools, kwargs) for m, tools in requests[:num_prompts]]
+    requests = [(messages, c) for c in conversations for messages in requests_of(c)]
+    return [
+        chat_prompt_ids(tokenizer, m, c.get("tools"), own_kwargs(kwargs, c))
+        for m, c in requests[:num_prompts]
+    ]
 
 
 def shortfalls(workloads, prompts: dict[str, list]) -> list[str]:

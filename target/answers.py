@@ -12,9 +12,10 @@ import json
 
 
 class AnswerReader:
-    """`message(text, tools)`: the assistant message of a generated text. Without parsers the text is the
-    content as generated (a template that reads reasoning out of its content, as Qwen3's does, still
-    renders it as it was generated)."""
+    """`message(text, tools, kwargs)`: the assistant message of a generated text. Without parsers the text is
+    the content as generated (a template that reads reasoning out of its content, as Qwen3's does, still
+    renders it as it was generated). `skip_special_tokens(tools, kwargs)`: how the server decodes that text.
+    `kwargs`: the request's chat-template kwargs (its thinking mode; the run's when None)."""
 
     def __init__(
         self, tokenizer, tool_parser: str | None, reasoning_parser: str | None, template_kwargs=None
@@ -32,23 +33,39 @@ class AnswerReader:
                 ReasoningParserManager.get_reasoning_parser, reasoning_parser, "regen.reasoning_parser"
             )
 
-    def request(self, tools):
+    def request(self, tools, kwargs=None):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+        kwargs = self.template_kwargs if kwargs is None else kwargs
         return ChatCompletionRequest(
             model="target",
             messages=[{"role": "user", "content": ""}],
             tools=tools,
-            chat_template_kwargs=self.template_kwargs or None,
+            chat_template_kwargs=kwargs or None,
         )
 
-    def message(self, text: str, tools: list[dict] | None) -> dict:
+    def skip_special_tokens(self, tools, kwargs=None) -> bool:
+        """Whether the server decodes the answer without its special tokens: vLLM's default, unless the
+        parsers' `adjust_request` turn it off (they do where their markers are special tokens, e.g. hermes
+        with tools, qwen3 reasoning), as vLLM 0.32's chat path calls them before sampling."""
+        request = self.request(tools, kwargs)
+        if self.reasoning_parser_cls:
+            kwargs = self.template_kwargs if kwargs is None else kwargs
+            request = self.reasoning_parser_cls(self.tokenizer, chat_template_kwargs=kwargs).adjust_request(
+                request
+            )
+        if self.tool_parser_cls and tools:
+            request = self.tool_parser_cls(self.tokenizer, request.tools).adjust_request(request)
+        return request.skip_special_tokens
+
+    def message(self, text: str, tools: list[dict] | None, kwargs=None) -> dict:
         if not (self.reasoning_parser_cls or (self.tool_parser_cls and tools)):
             return {"role": "assistant", "content": text}
-        request = self.request(tools)
+        kwargs = self.template_kwargs if kwargs is None else kwargs
+        request = self.request(tools, kwargs)
         reasoning, content = None, text
         if self.reasoning_parser_cls:
-            parser = self.reasoning_parser_cls(self.tokenizer, chat_template_kwargs=self.template_kwargs)
+            parser = self.reasoning_parser_cls(self.tokenizer, chat_template_kwargs=kwargs)
             reasoning, content = parser.extract_reasoning(text, request)
         message = {"role": "assistant", "content": content or ""}
         if reasoning is not None:

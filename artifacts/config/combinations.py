@@ -9,7 +9,8 @@ from omegaconf import MISSING, DictConfig
 
 from artifacts.config.checks import refuse
 
-ROLES = ("system", "user", "assistant", "tool")  # what data.role_map maps a source's roles onto
+# what data.role_map maps a source's roles onto (`developer`: OpenAI's, rendered as vLLM renders it)
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_data(data) -> None:

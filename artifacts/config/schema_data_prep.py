@@ -16,6 +16,7 @@ from artifacts.config.checks import DTYPE, POSITIVE, RECORD_FORMAT, Check, check
 # ShareGPT dumps name the assistant after the product that answered; all of them are the assistant.
 DEFAULT_ROLE_MAP = {
     "system": "system",
+    "developer": "developer",  # OpenAI's: vLLM renders it as system where the template has no such role
     "human": "user",
     "user": "user",
     "gpt": "assistant",
@@ -74,7 +75,7 @@ class DataConfig:
     id_field: str | None = "id"  # record id key; records without one get a hash of their content
     role_map: dict[str, str] = field(
         default_factory=lambda: dict(DEFAULT_ROLE_MAP)
-    )  # source role -> system|user|assistant|tool
+    )  # source role -> system|developer|user|assistant|tool
     system_prompt: str | None = None  # system message added to conversations that have none
     # use only the first N valid conversations (None: all)
     num_samples: int | None = checked(None, optional(POSITIVE))
@@ -84,6 +85,10 @@ class DataConfig:
     # fraction held out for evaluation, chosen by a hash of the conversation id
     eval_fraction: float = checked(0.05, within(0, 1, high_closed=False))
     strict: bool = False  # raise on a corrupt or truncated file instead of using its complete records
+    # per-request logs (one record per request, each re-sending the earlier turns): merge the records that
+    # are prefixes of a longer one into it, so each turn trains once, with the reasoning its response
+    # logged (data_prep/request_log.py); a log of whole conversations has none to merge
+    merge_requests: bool = True
 
 
 @dataclass
