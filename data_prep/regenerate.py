@@ -19,7 +19,7 @@ from pathlib import Path
 from artifacts import atomic
 from artifacts.cache import file_sha256
 from artifacts.conversation import answered
-from data_prep.render import SENT_WITHOUT_REASONING, TemplateDropsTools, render_prompt, request_kwargs
+from data_prep.render import SENT_WITHOUT_REASONING, TemplateDrops, render_prompt, request_kwargs
 from target.answers import AnswerReader, tool_calls_of
 from target.vllm import EngineSettings, running_llm
 
@@ -186,9 +186,7 @@ def regenerate_conversations(
                 except Exception as error:  # a template may reject a record: skip it, as render_all does
                     log.warning("conversation %s: cannot render turn %d with the chat template: %s",
                                 conv.id, turn + 1, error)  # fmt: skip
-                    counts[
-                        "template_drops_tools" if isinstance(error, TemplateDropsTools) else "template_error"
-                    ] += 1
+                    counts[error.reason if isinstance(error, TemplateDrops) else "template_error"] += 1
                     alive[i], history[i] = False, []  # dropped whole: its earlier answers were rendered
                     if i in last:  # in a context this turn's template rejects
                         discard(last.pop(i)[2])

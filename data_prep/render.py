@@ -48,9 +48,24 @@ class RenderedSample:
     truncated: bool = False  # cut to render.max_length
 
 
-class TemplateDropsTools(ValueError):
-    """A chat template that renders without the request's tools or an answer's tool calls (many templates
-    written before tool calling ignore both): its samples would train on answers the target never saw."""
+class TemplateDrops(ValueError):
+    """A chat template that renders without part of what the target generated or was asked with: its samples
+    would train on answers the target never saw. `reason`: what the conversation is counted under."""
+
+    reason = "template_drops"
+
+
+class TemplateDropsTools(TemplateDrops):
+    """The request's tools or an answer's tool calls (many templates written before tool calling ignore both)."""
+
+    reason = "template_drops_tools"
+
+
+class TemplateDropsReasoning(TemplateDrops):
+    """An answer's reasoning (a template with no place for it): trained without it, a reasoning-only answer
+    would be a lone end of turn."""
+
+    reason = "template_drops_reasoning"
 
 
 def check_tools_rendered(text: str, tools, message: dict | None = None) -> None:
@@ -101,6 +116,12 @@ def answer_segments(
         else:  # a template whose generation prompt is not how it renders an answer's start
             span = _search_answer(through, message, before)
         check_tools_rendered(through[span[0] : span[1]], None, message)
+        reasoning = message.get("reasoning_content", "").strip()
+        if reasoning and reasoning not in through[span[0] : span[1]]:
+            raise TemplateDropsReasoning(
+                "the chat template renders no reasoning (`reasoning_content`) in an answer: give the target a "
+                "template that renders it (target.chat_template), or data without it"
+            )
         if message.get("finish_reason") == "length":
             span = (span[0], cut_end(through, message, span))
         trained = [span] if message.get("weight", 1) != 0 else []  # weight 0: context only
@@ -196,9 +217,9 @@ def render_all(
         try:
             kwargs = request_kwargs(template_kwargs, conv)
             rendered = render_samples(tokenizer, conv.id, conv.messages, getattr(conv, "tools", None), kwargs)
-        except TemplateDropsTools as error:
+        except TemplateDrops as error:
             log.warning("conversation %s: %s", conv.id, error)
-            skipped["template_drops_tools"] += 1
+            skipped[error.reason] += 1
             continue
         except (
             Exception

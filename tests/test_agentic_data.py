@@ -73,6 +73,9 @@ def test_records_are_read_as_servers_log_them(conversations):
           {"role": "user", "content": "never mind"}, {"role": "assistant", "content": "a"}],
          "not_alternating"),  # a call nothing answered, then the user
         ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}], "empty_assistant_turn"),
+        ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}], "empty_assistant_turn"),
+        ([{"role": "system", "content": "s"}, {"role": "tool", "content": "r"}, {"role": "user", "content": "q"},
+          {"role": "assistant", "content": "a"}], "orphan_tool_result"),  # a result whose call the log lost
     ],
 )  # fmt: skip
 def test_agentic_records_the_template_cannot_be_given_are_skipped_by_reason(messages, reason):
@@ -324,6 +327,29 @@ def test_a_cut_answer_is_trained_as_cut_with_exactly_the_generated_ids(tokenizer
         assert sum(sample["loss_mask"]) == len(answer) - captured
 
 
+def test_a_call_after_text_is_trained_as_generated_though_its_history_renders_another_newline(conversations):
+    """hermes reads `text\n<tool_call>...` as content `text\n` and the call; the template renders that
+    history as `text\n\n<tool_call>`. The turn is trained as generated, in the request that generated it."""
+    from data_prep.regenerate import regenerate_conversations
+
+    tokenizer = build_tokenizer(agent=True)  # as Qwen3's template: the content's trailing newline kept
+    tokenizer.chat_template = tokenizer.chat_template.replace("content.strip('\\n')", "content.lstrip('\\n')")
+    assert "content.lstrip" in tokenizer.chat_template
+    conv = conversations["weather-one-call"]
+    call = '<think>\nCall it.\n</think>\n\nLet me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    engine = ScriptedEngine(
+        tokenizer, [(call, "stop"), ("<think>\nDone.\n</think>\n\nCloudy, 18 degrees.", "stop")]
+    )
+    cfg = SimpleNamespace(
+        temperature=0.0, top_p=1.0, max_new_tokens=64, tool_parser="hermes", reasoning_parser="qwen3"
+    )
+    samples = []
+    new, counts = regenerate_conversations(engine, tokenizer, [conv], cfg, None, samples.append)
+    assert counts["tool_call_diverged"] == 0 and new[0].messages[1]["content"].lstrip() == "Let me check.\n"
+    assert "Let me check.\n\n<tool_call>" in tokenizer.decode(samples[-1]["input_ids"])  # the history
+    assert [run for s in samples for run in masked_ids(s)] == engine.generated  # each turn once, as generated
+
+
 @pytest.mark.parametrize("captured", [False, True], ids=["text", "capture"])
 def test_a_request_holding_a_cut_answer_trains_it_once_and_not_the_end_of_turn_its_template_adds(captured):
     """A template that keeps history (ChatML) renders the cut answer with an end of turn in the next request:
@@ -394,18 +420,24 @@ def test_the_agent_workload_sends_every_request_of_its_conversations_with_their_
 def test_a_template_that_drops_tools_is_refused_per_conversation_and_counted(conversations):
     """SmolLM2's own template renders neither `tools` nor `tool_calls`: its samples would train on empty
     answers, so they are skipped as `template_drops_tools`; its tools template renders both."""
+    from dataclasses import replace
+
     from artifacts.assets import SMOLLM2_CHAT_TEMPLATE
     from artifacts.config.resolvers import _chat_template
     from data_prep.render import render_all
 
     tokenizer = build_tokenizer()
-    chosen = [conversations[k] for k in ("weather-one-call", "long-reasoning")]
+    with_reasoning = [conversations[k] for k in ("weather-one-call", "long-reasoning")]
+    chosen = [replace(c, messages=[{k: v for k, v in m.items() if k != "reasoning_content"} for m in c.messages])
+              for c in with_reasoning]  # fmt: skip
     tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
     samples, skipped, _ = render_all(tokenizer, chosen, 2048, "truncate")
     assert [s.id for s in samples] == ["long-reasoning"] and skipped == {"template_drops_tools": 1}
     tokenizer.chat_template = Path(_chat_template("smollm2_tools.jinja")).read_text()
     samples, skipped, _ = render_all(tokenizer, chosen, 2048, "truncate")
     assert [s.id for s in samples] == ["weather-one-call", "long-reasoning"] and not skipped
+    # neither template has a place for reasoning: answers that reason are counted, not trained without it
+    assert render_all(tokenizer, with_reasoning, 2048, "truncate")[1] == {"template_drops_reasoning": 2}
     assert '"name": "get_weather", "arguments": {"city": "Paris"}' in runs(tokenizer, samples[0])[0]
 
 

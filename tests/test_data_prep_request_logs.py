@@ -172,6 +172,26 @@ def test_a_response_cut_at_the_token_limit_is_trained_up_to_its_last_token(token
     assert trained_runs(tokenizer, [sample]) == ["<think>\nThe capital of"]
 
 
+def test_a_template_with_no_place_for_reasoning_skips_the_answers_it_would_drop_it_from():
+    from artifacts.conversation import Conversation
+    from data_prep.render import render_all
+
+    chatml = build_tokenizer()  # the smoke target's ChatML template: no reasoning in it
+    question = {"role": "user", "content": "Capital of Italy?"}
+    conversations = [
+        Conversation(
+            "reasoning-only", [question, {"role": "assistant", "content": "", "reasoning_content": "Rome."}]
+        ),
+        Conversation(
+            "reasoning",
+            [question, {"role": "assistant", "content": "Rome.", "reasoning_content": "It is Rome."}],
+        ),
+        Conversation("plain", [question, {"role": "assistant", "content": "Rome."}]),
+    ]
+    samples, skipped, _ = render_all(chatml, conversations, 512, "truncate")
+    assert [s.id for s in samples] == ["plain"] and skipped == {"template_drops_reasoning": 2}
+
+
 class SpecialMarkerEngine:
     """vLLM's LLM as regeneration uses it: each prompt answered with one tool call whose markers are special
     tokens, decoded as vLLM's detokenizer decodes it (the request's `skip_special_tokens`)."""
