@@ -8,8 +8,9 @@ sequence, a failed call retried, a follow-up question and no call at all. Tool r
 seed, answers are written from them. Different seeds give different conversations (train on one, serve
 another):
 
-    python -m artifacts.agent_data out.jsonl --num 200 --seed 0
+    python -m artifacts.agent_data out.jsonl --num 200 --seed 0 [--per-request]
     ${agent_data:200,0}    # in a config: the path of that file, written once under ~/.cache/eagle-pipeline
+    ${agent_data:200,0,requests}   # the same conversations logged one record per request, as servers log
 """
 
 from __future__ import annotations
@@ -254,19 +255,51 @@ def conversations(num: int, seed: int) -> list[dict]:
     return records
 
 
-def write(path: Path, num: int, seed: int) -> Path:
-    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in conversations(num, seed))
+def request_log(record: dict, shape: str = "request") -> list[dict]:
+    """The records a server (or a logging proxy) writes for one conversation: one per assistant turn, the
+    history as the client sent it back (assistant turns without their reasoning) and the turn as the
+    response - `{"request": {...}, "response": {"choices": [...]}}`, or with `shape="messages"` the history
+    and the response in one `messages` list."""
+    records = []
+    for k, message in enumerate(record["messages"]):
+        if message["role"] != "assistant":
+            continue
+        history = [{key: v for key, v in m.items() if key not in ("reasoning", "reasoning_content")}
+                   for m in record["messages"][:k]]  # fmt: skip
+        request = {"model": "target", "messages": history} | (
+            {"tools": record["tools"]} if "tools" in record else {}
+        )
+        if shape == "request":
+            finish = "tool_calls" if message.get("tool_calls") else "stop"
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+            records.append(
+                {"id": f"{record['id']}-{k}", "request": request, "response": {"choices": [choice]}}
+            )
+        else:
+            records.append({"id": f"{record['id']}-{k}", **request, "messages": [*history, message]})
+    return records
+
+
+def write(path: Path, num: int, seed: int, per_request: bool = False) -> Path:
+    records = conversations(num, seed)
+    if per_request:
+        records = [logged for record in records for logged in request_log(record)]
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     atomic.write_bytes_if_changed(Path(path), lines.encode("utf-8"))
     return Path(path)
 
 
-def agent_data_path(num: int, seed: int) -> str:
-    """`${agent_data:num,seed}`: the file of `conversations(num, seed)`, written once into the asset cache."""
+def agent_data_path(num: int, seed: int, layout: str = "conversations") -> str:
+    """`${agent_data:num,seed}`: the file of `conversations(num, seed)`, written once into the asset cache;
+    `${agent_data:num,seed,requests}`: the same logged one record per request (`request_log`)."""
+    if layout not in ("conversations", "requests"):
+        raise ValueError(f"agent_data:{num},{seed},{layout}: the layout is conversations or requests")
     root = Path(os.environ.get("EAGLE_ASSETS_DIR", Path.home() / ".cache" / "eagle-pipeline"))
-    path = root / f"agent_data-{int(num)}-{int(seed)}.jsonl"
+    suffix = "" if layout == "conversations" else "-requests"
+    path = root / f"agent_data-{int(num)}-{int(seed)}{suffix}.jsonl"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write(path, int(num), int(seed))
+        write(path, int(num), int(seed), layout == "requests")
     return str(path)
 
 
@@ -275,8 +308,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--num", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--per-request", action="store_true", help="one record per request, as servers log")
     args = parser.parse_args()
-    print(write(args.out, args.num, args.seed))
+    print(write(args.out, args.num, args.seed, args.per_request))
 
 
 if __name__ == "__main__":

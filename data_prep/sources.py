@@ -244,7 +244,8 @@ def main() -> None:
     cfg = DataConfig(source=args.source, format=args.format, split=args.split, strict=args.strict)
     loaded = load_conversations(cfg)
     print(
-        f"{len(loaded.conversations)} conversations | skipped {dict(loaded.skipped)} | fingerprint {loaded.fingerprint}"
+        f"{len(loaded.conversations)} conversations | skipped {dict(loaded.skipped)} | merged "
+        f"{dict(loaded.merged)} | fingerprint {loaded.fingerprint}"
     )
     print(json.dumps(asdict(loaded.conversations[0]), ensure_ascii=False, indent=2)[:2000])
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from artifacts.agent_data import request_log
 from artifacts.config import DataConfig
 from artifacts.smoke import AGENT_DATA, build_smoke_target, build_tokenizer
 from data_prep.render import render_prompt, render_samples
@@ -25,34 +26,6 @@ def tokenizer():
 def logged():
     """The agent smoke data's records as logged: {id: record}."""
     return {r["id"]: r for r in map(json.loads, AGENT_DATA.read_text(encoding="utf-8").splitlines())}
-
-
-def per_request(record: dict, shape: str = "request") -> list[dict]:
-    """The records a server logs for one conversation: one per assistant turn, its history as the client
-    sends it back (assistant turns without their reasoning) and the turn as the response."""
-    records = []
-    for k, message in enumerate(record["messages"]):
-        if message["role"] != "assistant":
-            continue
-        history = [{key: v for key, v in m.items() if key not in ("reasoning", "reasoning_content")}
-                   for m in record["messages"][:k]]  # fmt: skip
-        request = {
-            "model": "target",
-            "messages": history,
-            **({"tools": record["tools"]} if "tools" in record else {}),
-        }
-        if shape == "request":
-            choice = {
-                "index": 0,
-                "message": message,
-                "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
-            }
-            records.append(
-                {"id": f"{record['id']}-{k}", "request": request, "response": {"choices": [choice]}}
-            )
-        else:  # the history and the response in one `messages` list, as some proxies write it
-            records.append({"id": f"{record['id']}-{k}", **request, "messages": [*history, message]})
-    return records
 
 
 def load(tmp_path, records, **settings):
@@ -79,7 +52,7 @@ def test_an_agent_loop_logged_per_request_trains_each_turn_once_with_its_reasoni
     tokenizer, logged, tmp_path, shape
 ):
     whole = load(tmp_path, [logged["docs-multi-turn"]]).conversations[0]
-    records = per_request(logged["docs-multi-turn"], shape)
+    records = request_log(logged["docs-multi-turn"], shape)
     last = records[-1]["request"]["messages"] if shape == "request" else records[-1]["messages"]
     assert len(records) == 4 and not any(m.get("reasoning") for m in last[:-1])  # the re-sent history
     loaded = load(tmp_path, records)
@@ -157,6 +130,13 @@ def test_each_request_renders_in_its_own_thinking_mode(tokenizer, logged, tmp_pa
     off_runs = trained_runs(tokenizer, [s for s in samples if s.id.startswith("off")])
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in texts["off"]  # the empty block is its prompt's
     assert off_runs and not any("think>" in r for r in off_runs)
+    from data_prep.main import samples_by_mode
+    from export.card import modes_text
+
+    modes = samples_by_mode(samples, loaded.conversations, {"enable_thinking": True})
+    assert modes == {'{"enable_thinking": true}': 2, '{"enable_thinking": false}': 2,
+                     '{"enable_thinking": false, "reasoning_effort": "none"}': 2}  # fmt: skip
+    assert modes_text(modes).startswith('2 with `{"enable_thinking": true}`; 2 with')
     on_runs = trained_runs(tokenizer, [s for s in samples if s.id.startswith("on")])
     assert all(
         r.startswith("<think>\n") and len(r.split("</think>")[0]) > len("<think>\n\n") for r in on_runs
@@ -164,7 +144,7 @@ def test_each_request_renders_in_its_own_thinking_mode(tokenizer, logged, tmp_pa
 
 
 def test_a_response_cut_at_the_token_limit_is_trained_up_to_its_last_token(tokenizer, logged, tmp_path):
-    record = per_request(logged["plain-chat"])[0]  # the first question's request
+    record = request_log(logged["plain-chat"])[0]  # the first question's request
     record["response"]["choices"][0] |= {"finish_reason": "length",
                                          "message": {"role": "assistant", "content": "", "reasoning_content": "The capital of"}}  # fmt: skip
     (conv,) = load(tmp_path, [record]).conversations
@@ -278,12 +258,12 @@ def test_every_request_shape_renders_as_vllm_renders_it(tokenizer, logged, vllm_
     """Each request of the shapes above - a per-request agent loop (re-sent history without reasoning, tool
     calls with string arguments, tool results), a developer message, thinking off, reasoning effort - rendered
     here as data_prep renders it equals vLLM's own rendering, token for token."""
-    records = per_request(logged["docs-multi-turn"]) + per_request(logged["weather-parallel"])
-    developer = per_request(logged["weather-one-call"])[0]
+    records = request_log(logged["docs-multi-turn"]) + request_log(logged["weather-parallel"])
+    developer = request_log(logged["weather-one-call"])[0]
     developer["request"]["messages"].insert(0, {"role": "developer", "content": "Answer in one sentence."})
-    off = per_request(logged["plain-chat"])[1]
+    off = request_log(logged["plain-chat"])[1]
     off["request"]["chat_template_kwargs"] = {"enable_thinking": False}
-    effort = per_request(logged["plain-chat"])[0]
+    effort = request_log(logged["plain-chat"])[0]
     effort["request"]["reasoning_effort"] = "none"
     records += [developer, off, effort]
     compared = 0

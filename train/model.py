@@ -267,7 +267,8 @@ def mask_token_id(cfg, target_config) -> int:
 
 
 CACHE_IDENTITY = ("aux_layer_ids", "tokenizer_hash", "dataset_fingerprint", "data_source", "num_samples",
-                  "num_tokens", "regeneration", "chat_template_kwargs", "chat_template")  # fmt: skip
+                  "num_tokens", "regeneration", "chat_template_kwargs", "chat_template",
+                  "num_samples_by_mode")  # fmt: skip
 
 
 def head_record(

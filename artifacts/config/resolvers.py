@@ -62,10 +62,10 @@ def _chat_template(name: str) -> str:
     return str(Path(__file__).parent.parent.parent / "conf" / "templates" / name)
 
 
-def _agent_data(num, seed) -> str:
+def _agent_data(num, seed, layout="conversations") -> str:
     from artifacts.agent_data import agent_data_path
 
-    return agent_data_path(num, seed)
+    return agent_data_path(num, seed, layout)
 
 
 OmegaConf.register_new_resolver("smoke_data", _package_file, replace=True)

@@ -77,7 +77,7 @@ class DataConfig:
         default_factory=lambda: dict(DEFAULT_ROLE_MAP)
     )  # source role -> system|developer|user|assistant|tool
     system_prompt: str | None = None  # system message added to conversations that have none
-    # use only the first N valid conversations (None: all)
+    # use only the first N valid conversations (None: all; of a per-request log, N records, merged after)
     num_samples: int | None = checked(None, optional(POSITIVE))
     # keep only the first N question/answer exchanges of each (None: all)
     max_turns: int | None = checked(None, optional(POSITIVE))
