@@ -255,10 +255,14 @@ def served_prompt(renderer, request: dict) -> list[int]:
 
 
 def test_every_request_shape_renders_as_vllm_renders_it(tokenizer, logged, vllm_renderer, tmp_path):
-    """Each request of the shapes above - a per-request agent loop (re-sent history without reasoning, tool
-    calls with string arguments, tool results), a developer message, thinking off, reasoning effort - rendered
-    here as data_prep renders it equals vLLM's own rendering, token for token."""
-    records = request_log(logged["docs-multi-turn"]) + request_log(logged["weather-parallel"])
+    """Every request of the agent smoke data logged per request (re-sent history without reasoning, tool
+    calls with string arguments, parallel results, text parts, reasoning inline or as `reasoning`), a
+    developer message, thinking off and reasoning effort: rendered as data_prep renders it, alone and within
+    the merged loop, equal to vLLM's own rendering token for token. (The legacy `function_call` departs on
+    purpose: docs/recipe.md#per-request-logs.)"""
+    records = [
+        r for key, record in logged.items() if key != "legacy-function-call" for r in request_log(record)
+    ]
     developer = request_log(logged["weather-one-call"])[0]
     developer["request"]["messages"].insert(0, {"role": "developer", "content": "Answer in one sentence."})
     off = request_log(logged["plain-chat"])[1]
@@ -266,12 +270,18 @@ def test_every_request_shape_renders_as_vllm_renders_it(tokenizer, logged, vllm_
     effort = request_log(logged["plain-chat"])[0]
     effort["request"]["reasoning_effort"] = "none"
     records += [developer, off, effort]
-    compared = 0
     for record in records:
         (conv,) = load(tmp_path, [record], merge_requests=False).conversations
         ours = render_prompt(
             tokenizer, conv.id, conv.messages[:-1], conv.tools, conv.template_kwargs
         ).input_ids
         assert ours == served_prompt(vllm_renderer, record["request"]), record["id"]
-        compared += 1
-    assert compared == 4 + 2 + 3
+    assert len(records) == 25 + 3
+    # The merged loop renders each of its requests as the server rendered it (history without the reasoning
+    # the client dropped, though the loop now holds it).
+    loop = request_log(logged["docs-multi-turn"])
+    (merged,) = load(tmp_path, loop).conversations
+    answers = [i for i, m in enumerate(merged.messages) if m["role"] == "assistant"]
+    for index, record in zip(answers, loop, strict=True):
+        ours = render_prompt(tokenizer, merged.id, merged.messages[:index], merged.tools).input_ids
+        assert ours == served_prompt(vllm_renderer, record["request"]), record["id"]
