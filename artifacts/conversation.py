@@ -221,10 +221,9 @@ def message_of(role: str, content: Any, turn: dict) -> dict:
     except NonTextContent:
         raise SkippedRecord("non_text_content") from None
     calls = normalize_tool_calls(turn) if role == "assistant" else None
+    # An assistant turn that only calls tools or reasons (or says nothing: empty_assistant_turn).
     if text is None and content is None and role == "assistant":
-        text = (
-            ""  # an assistant turn that only calls tools or reasons (or says nothing: empty_assistant_turn)
-        )
+        text = ""
     if text is None:
         raise SkippedRecord("malformed_record")
     message = {"role": role, "content": text}

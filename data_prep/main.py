@@ -85,34 +85,33 @@ def build_embedded_target(cfg) -> None:
 
 def cache_identity(cfg, target_hash, target_config, aux_layer_ids, tokenizer, dataset_fingerprint) -> dict:
     """The fields a cache directory is tied to: reusing it with any of them changed is refused."""
-    return (
-        {
-            "target_hash": target_hash,
-            "num_hidden_layers": target_config.num_hidden_layers,
-            "hidden_size": target_config.hidden_size,
-            "vocab_size": target_config.vocab_size,
-            "aux_layer_ids": aux_layer_ids,
-            "tokenizer_hash": tokenizer_hash(tokenizer),
-            "dataset_fingerprint": dataset_fingerprint,
-            "eval_fraction": cfg.data.eval_fraction,
-            "split_by": SPLIT_BY,
-            "max_length": cfg.render.max_length,
-            "overlong": cfg.render.overlong,
-            "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
-            "draft_vocab_size": cfg.cache.draft_vocab_size,
-            "draft_vocab_fill": cfg.cache.draft_vocab_fill,
-            "hidden_states": cfg.cache.hidden_states,  # false: tokens only, for train.features=online
-            # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
-            # regeneration writes each chunk's)
-            "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
-        }
-        | ({"chat_template_kwargs": kwargs} if (kwargs := served_template_kwargs(cfg)) else {})
-        | (
-            # the text path's samples are the generated ids (they were the answers' re-rendered text): a cache
-            # made the old way is refused, not finished with samples of the new
-            {"regenerated_samples": "generated_ids"} if cfg.regen.enabled and not vllm_capture(cfg) else {}
-        )
-    )
+    identity = {
+        "target_hash": target_hash,
+        "num_hidden_layers": target_config.num_hidden_layers,
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "aux_layer_ids": aux_layer_ids,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "dataset_fingerprint": dataset_fingerprint,
+        "eval_fraction": cfg.data.eval_fraction,
+        "split_by": SPLIT_BY,
+        "max_length": cfg.render.max_length,
+        "overlong": cfg.render.overlong,
+        "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
+        "draft_vocab_size": cfg.cache.draft_vocab_size,
+        "draft_vocab_fill": cfg.cache.draft_vocab_fill,
+        "hidden_states": cfg.cache.hidden_states,  # false: tokens only, for train.features=online
+        # hf | vllm, and what decides their states (shards are laid out differently, too: vllm with
+        # regeneration writes each chunk's)
+        "capture_states": capture_identity(cfg) if cfg.cache.hidden_states else None,
+    }
+    if kwargs := served_template_kwargs(cfg):
+        identity["chat_template_kwargs"] = kwargs
+    if cfg.regen.enabled and not vllm_capture(cfg):
+        # the text path's samples are the generated ids (they were the answers' re-rendered text): a cache
+        # made the old way is refused, not finished with samples of the new
+        identity["regenerated_samples"] = "generated_ids"
+    return identity
 
 
 def vllm_capture(cfg) -> bool:

@@ -121,9 +121,9 @@ def regenerate_conversations(
     Each turn's prompt is the history so far (the target's earlier answers, as the server renders them) and
     the logged messages that led to the turn (a user turn, or the results of the calls it answers), rendered
     here with the target's chat template, its tools and `template_kwargs` (the request's own over them:
-    data_prep/render.py), and sent
-    as token ids, so the engine reads exactly the tokens the cache will hold. The answer is read as the
-    server reads it (target/answers.py: `regen.reasoning_parser`, `regen.tool_parser`). A conversation
+    data_prep/render.py), and sent as token ids, so the engine reads exactly the tokens the cache will hold.
+    The answer is decoded and read as the server does it (target/answers.py: `regen.reasoning_parser`,
+    `regen.tool_parser`, and their `skip_special_tokens`). A conversation
     ends after a regenerated turn whose tool calls differ from the logged ones (`tool_call_diverged`: the
     logged results no longer answer them); it is cut before the first turn the target answers with nothing,
     or whose prompt does not fit the engine's `max_model_len` (and dropped if that is its first answer).

@@ -4,9 +4,9 @@ A conversation is rendered as the server renders its requests: its `tools` passe
 template kwargs the head is served with (`render.chat_template_kwargs`, e.g. `enable_thinking`) and the
 request's own over them (its thinking mode), a message's reasoning as `reasoning_content` (and `reasoning`,
 as vLLM passes it) and tool-call arguments as dicts; a turn sent back as history without its reasoning
-(`history_without_reasoning`) is so rendered in later requests. A turn of `weight` 0 is context, not trained; a turn
-cut at the token limit (`finish_reason: length`) is trained up to its last text, not the end of turn its
-template closes it with.
+(`history_without_reasoning`) is so rendered in later requests. A turn of `weight` 0 is context, not
+trained; a turn cut at the token limit (`finish_reason: length`) is trained up to its last text, not the
+end of turn its template closes it with.
 
 The loss mask is found without any table of templates: for assistant turn i, the text the template
 produces for `messages[:i]` with the generation prompt is the request's prompt, and the text for
