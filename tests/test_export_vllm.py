@@ -316,18 +316,20 @@ def flipped_norm_before_residual(config: dict, weights: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "mistake", [wrong_layer_ids, pytest.param(flipped_norm_before_residual, marks=pytest.mark.slow)]
-)  # one vLLM engine each; the second mistake is caught the same way
+    "mistake", [flipped_norm_before_residual, pytest.param(wrong_layer_ids, marks=pytest.mark.slow)]
+)  # one vLLM engine each
 def test_parity_catches_a_wrong_export(regen_head, mistake, tmp_path):
-    """The mistakes that load without error in vLLM (HF's hidden_states index off by one; the other
-    residual convention) and silently change acceptance: the parity check must fail on them."""
+    """The mistakes that load without error in vLLM (the other residual convention; HF's hidden_states index
+    off by one) and silently change what it drafts: verification must fail on them. The residual flip moves
+    acceptance past the tolerance; the off-by-one layers moved it 0.54% on this smoke head (the random smoke
+    target's neighbouring layers draft alike), inside it, and the export-identity check names them."""
     caught = verify_a_wrong_export(
-        regen_head, "eagle3", mistake, tmp_path, "differs from the reference decoder"
+        regen_head, "eagle3", mistake, tmp_path, "differs from the reference decoder|matched regardless"
     )
     report = caught.report
     # Which way acceptance moves depends on the head (on the looping smoke target either may), not that it
     # moves past the tolerance.
-    assert not report["parity"]["passed"]
+    assert not report["parity"]["passed"] or mistake is wrong_layer_ids
     # The export-identity check names the same mistake.
     field = "aux_layer_ids" if mistake is wrong_layer_ids else "norm_before_residual"
     assert [d.split(":")[0] for d in report["export_differences"]] == [field]
