@@ -135,6 +135,33 @@ def test_latency_summary_counts_failures_and_uses_client_times():
     assert percentiles_ms([])["p99"] is None
 
 
+def test_each_request_is_bucketed_by_its_context_length_with_its_own_acceptance():
+    from eval.client import context_bucket
+
+    bounds = [512, 2048, 4096]
+    assert [context_bucket(n, bounds) for n in (1, 512, 513, 2048, 4096, 4097)] == [
+        "<=512", "<=512", "513-2048", "513-2048", "2049-4096", ">4096"
+    ]  # fmt: skip
+
+    def served(prompt_tokens, steps, accepted, tpot_s):
+        spec = {"num_spec_steps": steps, "num_accepted_draft_tokens": accepted, "num_draft_tokens": 3 * steps}
+        return RequestResult(
+            True, None, steps + accepted, 0.1, tpot_s, [], prompt_tokens=prompt_tokens, spec=spec
+        )
+
+    results = [served(100, 10, 20, 0.01), served(3000, 10, 5, 0.02), served(300, 10, 10, 0.03)]
+    rows = summarize(results + [RequestResult(False, "HTTP 500", 0)], 1.0, bounds)["by_context"]
+    assert [(r["bucket"], r["num_requests"], r["prompt_tokens"]) for r in rows] == [
+        ("<=512", 2, [100, 300]), ("2049-4096", 1, [3000, 3000])
+    ]  # fmt: skip
+    short, long = rows[0]["acceptance"], rows[1]["acceptance"]
+    assert short["mean_acceptance_length"] == 1 + 30 / 20 and short["draft_acceptance_rate"] == 30 / 60
+    assert long["mean_acceptance_length"] == 1.5 and rows[0]["tpot_ms"] == pytest.approx(20.0)
+    # a server without per-request metrics: the buckets' latency, no acceptance
+    plain = [RequestResult(True, None, 4, 0.1, 0.01, [], prompt_tokens=10)]
+    assert summarize(plain, 1.0, bounds)["by_context"][0]["acceptance"] is None
+
+
 def test_serve_command_flags():
     settings = EngineSettings("/m", {"k": 1}, {"enforce-eager": True, "max_model_len": 512, "x": False})
     command = serve_argv(settings, 8000)
