@@ -1,9 +1,11 @@
 """eval's pure parts: the /metrics parser on a recorded vLLM sample, the economics formula against hand
 computations, the recommendation rule, latency summaries and workloads."""
 
+import bisect
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,28 @@ def test_fingerprint_changes_with_the_weights_not_the_card(tmp_path):
     assert files_fingerprint(tmp_path) == before
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # re-exported
     assert files_fingerprint(tmp_path) != before
+
+
+def test_long_prompts_are_spread_over_the_context_buckets():
+    from artifacts.smoke import build_tokenizer
+    from eval.long_context import long_prompts, spread_by_length
+
+    lengths = [10, 700, 20, 3000, 30, 5000, 900, 9000]
+    picked = spread_by_length(iter([[0] * n for n in lengths]), [512, 2048, 4096], 6, 6000)
+    assert [len(p) for p in picked] == [
+        10,
+        20,
+        700,
+        900,
+        3000,
+        5000,
+    ]  # two a bucket, in bucket order; 9000 too long
+    tokenizer = build_tokenizer()
+    bounds, limit = [256, 1024, 2048], 4096
+    for source in ("long_code", "long_chat"):
+        prompts = long_prompts(source, tokenizer, 8, bounds, limit, {}, 0.05)
+        counts = Counter(bisect.bisect_left([*bounds, limit], len(p)) for p in prompts)
+        assert len(prompts) == 8 and counts == {0: 2, 1: 2, 2: 2, 3: 2}, (source, counts)
+        assert all(tokenizer.decode(p).endswith("<|im_start|>assistant\n") for p in prompts)
+    chat = tokenizer.decode(prompts[-1])
+    assert chat.count("<|im_start|>user") >= 2 and chat.count("<|im_start|>assistant") >= 2  # continued
