@@ -39,6 +39,10 @@ class RequestResult:
     itls_s: list[float] = field(default_factory=list)
     text: str = ""  # the answer as streamed: a conversation's next turn is rendered from it
     empty: bool = False  # a complete answer with no text (the model ended at once): an answer all the same
+    prompt_tokens: int = 0  # the prompt's tokens (the server's usage count): the request's context length
+    # vLLM's count of this request's own drafts (`metrics.speculative_decoding` of the last chunk, from a
+    # server with --per-request-spec-decode-metrics): num_spec_steps, num_accepted_draft_tokens, ...
+    spec: dict | None = None
 
 
 async def one_request(session, url: str, payload: dict, timeout_s: float) -> RequestResult:
@@ -47,6 +51,7 @@ async def one_request(session, url: str, payload: dict, timeout_s: float) -> Req
     result = RequestResult()
     start = time.perf_counter()
     chunk_times, text_tokens, texts, done = [], 0, [], False
+    usage, spec = {}, None
     try:
         async with session.post(
             f"{url}/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -64,13 +69,16 @@ async def one_request(session, url: str, payload: dict, timeout_s: float) -> Req
                     break
                 chunk = json.loads(data)
                 if chunk.get("usage"):
-                    text_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    text_tokens = usage["completion_tokens"]
+                spec = (chunk.get("metrics") or {}).get("speculative_decoding") or spec
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     chunk_times.append(time.perf_counter())
                     texts.append(chunk["choices"][0]["text"])
     except Exception as error:  # network error, timeout, malformed stream: counted, the run goes on
         result.error = f"{type(error).__name__}: {error}"
         return result
+    result.prompt_tokens, result.spec = usage.get("prompt_tokens") or 0, spec
     if not chunk_times:
         if not done:
             result.error = "the stream ended before any token or [DONE]"
@@ -166,7 +174,53 @@ def percentiles_ms(values_s: list[float]) -> dict:
     }
 
 
-def summarize(results: list[RequestResult], duration_s: float) -> dict:
+def context_bucket(prompt_tokens: int, bounds: list[int]) -> str:
+    """The context-length bucket of a prompt: `<=512`, `513-2048`, ..., `>8192` for bounds [512, ..., 8192]."""
+    lower = 0
+    for bound in sorted(bounds):
+        if prompt_tokens <= bound:
+            return f"<={bound}" if lower == 0 else f"{lower + 1}-{bound}"
+        lower = bound
+    return f">{lower}"
+
+
+def acceptance_of(specs: list[dict]) -> dict | None:
+    """Summed per-request counts as the server's counters would read (eval/prometheus.py): drafts (verify
+    steps), draft tokens, accepted tokens, and the mean acceptance length 1 + accepted / drafts."""
+    if not specs:
+        return None
+    drafts = sum(s["num_spec_steps"] for s in specs)
+    accepted = sum(s["num_accepted_draft_tokens"] for s in specs)
+    draft_tokens = sum(s["num_draft_tokens"] for s in specs)
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+    }
+
+
+def by_context(ok: list[RequestResult], bounds: list[int]) -> list[dict]:
+    """Per context-length bucket holding requests, in order: requests, their prompt tokens' range, mean time
+    per output token and (with per-request metrics) vLLM's acceptance over that bucket's requests."""
+    rows = {}
+    for r in sorted(ok, key=lambda r: r.prompt_tokens):
+        rows.setdefault(context_bucket(r.prompt_tokens, bounds), []).append(r)
+    return [
+        {
+            "bucket": bucket,
+            "num_requests": len(members),
+            "prompt_tokens": [members[0].prompt_tokens, members[-1].prompt_tokens],
+            "output_tokens": sum(r.num_tokens for r in members),
+            "tpot_ms": percentiles_ms([r.tpot_s for r in members if r.tpot_s is not None])["mean"],
+            "acceptance": acceptance_of([r.spec for r in members if r.spec]),
+        }
+        for bucket, members in rows.items()
+    ]
+
+
+def summarize(results: list[RequestResult], duration_s: float, context_buckets: list[int] = ()) -> dict:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.num_tokens for r in ok)
     return {
@@ -180,4 +234,5 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "ttft_ms": percentiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": percentiles_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": percentiles_ms([gap for r in ok for gap in r.itls_s]),
+        "by_context": by_context(ok, list(context_buckets)) if context_buckets else [],
     }

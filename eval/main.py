@@ -66,10 +66,21 @@ def evaluate_heads(cfg: DictConfig) -> dict:
     target_config = load_config(cfg.target)
     configs = server_configs(cfg, run_dir, target_config)  # bad heads fail here, before any server
     tokenizer = load_tokenizer(cfg.target)
+    # The longest context the servers take: their max_model_len (eval.server_args), else the target's.
+    max_model_len = (cfg.eval.server_args or {}).get("max_model_len") or target_config.max_position_embeddings
     prompts = {
         w.name: workload_prompts(
-            w.source, tokenizer, run_dir / "cache", w.num_prompts, served_template_kwargs(cfg)
-        )
+            w.source,
+            tokenizer,
+            run_dir / "cache",
+            w.num_prompts,
+            served_template_kwargs(cfg),
+            {
+                "bounds": list(cfg.eval.context_buckets),
+                "limit": max_model_len - w.max_tokens,
+                "eval_fraction": cfg.data.eval_fraction,
+            },
+        )  # fmt: skip
         for w in cfg.eval.workloads
     }
     notes = list(dict.fromkeys(c["note"] for c in configs if c.get("note")))  # one per head, not per k

@@ -86,7 +86,8 @@ def measure(
         )
     )
     counts = acceptance_counts(server.metrics()) - before
-    return {**summarize(results, duration), "acceptance": counts.summary() if counts.num_drafts else None}
+    summary = summarize(results, duration, list(cfg.eval.context_buckets))
+    return {**summary, "acceptance": counts.summary() if counts.num_drafts else None}
 
 
 def served_runs(cfg, configs: list[dict], prompts: dict, target_path: Path, out_dir: Path) -> list[dict]:

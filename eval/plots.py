@@ -1,5 +1,6 @@
-"""The eval report's figures (PNG): per-position acceptance, throughput and ITL against concurrency, and
-predicted against measured speedup - each drawn only when the runs hold something to draw.
+"""The eval report's figures (PNG): per-position acceptance, throughput and ITL against concurrency,
+predicted against measured speedup and acceptance by context length - each drawn only when the runs hold
+something to draw.
 
     paths = write_plots(results["runs"], out_dir / "plots")  # {name: path}; eval/report.py links them
 """
@@ -60,6 +61,27 @@ def plot_vs_concurrency(runs: list[dict], value: Callable[[dict], float | None],
     return fig
 
 
+def plot_by_context(runs: list[dict]):
+    """Mean acceptance length per context-length bucket, a line per head run (its lowest concurrency)."""
+    picked = [r for r in lowest_concurrency_runs(runs) if r["head"] is not None and r.get("by_context")]
+    picked = [
+        r
+        for r in picked
+        if any((row.get("acceptance") or {}).get("mean_acceptance_length") for row in r["by_context"])
+    ]
+    if not picked:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in picked:
+        rows = [row for row in r["by_context"] if row.get("acceptance")]
+        values = [row["acceptance"]["mean_acceptance_length"] for row in rows]
+        ax.plot([row["bucket"] for row in rows], values, marker="o", label=f"{r['config']} / {r['workload']}")
+    ax.axhline(1.0, color="black", linewidth=0.5)  # no draft accepted
+    ax.set(xlabel="context (prompt tokens)", ylabel="mean acceptance length")
+    ax.legend(fontsize=7)
+    return fig
+
+
 def plot_speedups(runs: list[dict]):
     points = [
         (r, e["predicted_speedup"], e["measured_speedup"])
@@ -97,6 +119,7 @@ def write_plots(runs: list[dict], plots_dir: Path) -> dict[str, Path]:
             runs, lambda r: (r.get("itl_ms") or {}).get("p50"), "ITL p50 (ms)"
         ),
         "speedup_predicted_vs_measured": plot_speedups(runs),
+        "acceptance_by_context": plot_by_context(runs),
     }
     paths = {}
     for name, fig in figures.items():

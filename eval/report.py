@@ -96,6 +96,25 @@ def per_position_section(runs: list[dict]) -> list[str]:
     return ["## Per-position acceptance", "", *table(header, rows)]
 
 
+def context_section(runs: list[dict]) -> list[str]:
+    """Each run's requests by context length (eval.context_buckets): vLLM's acceptance over each bucket's
+    requests (their own counts) and the speedup in time per output token against the baseline's."""
+    rows = [
+        [r["config"], r["workload"], r["concurrency"], row["bucket"], row["num_requests"],
+         "-".join(str(n) for n in row["prompt_tokens"]),
+         fmt((row.get("acceptance") or {}).get("mean_acceptance_length")),
+         fmt(row.get("tpot_ms"), ".1f"), fmt(row.get("speedup"), ".2f", "x")]
+        for r in runs for row in r.get("by_context") or []
+    ]  # fmt: skip
+    if not any(r["head"] is not None and r.get("by_context") for r in runs):
+        return []
+    header = ["config", "workload", "concurrency", "context (prompt tokens)", "requests", "range",
+              "mean acceptance length", "TPOT mean", "speedup (TPOT)"]  # fmt: skip
+    note = ("Each request's own acceptance (vLLM's per-request metrics), summed over the requests whose prompt "
+            "falls in the bucket; speedup = the baseline's mean time per output token there over the head's.")  # fmt: skip
+    return ["## Acceptance by context length", "", note, "", *table(header, rows)]
+
+
 def economics_section(runs: list[dict]) -> list[str]:
     rows = [
         [
@@ -232,6 +251,7 @@ def render_report(results: dict, plots: dict[str, Path]) -> str:
     lines += image(plots, "itl_vs_concurrency", "ITL p50 vs concurrency")
     for section, plot, caption in (
         (per_position_section(runs), "acceptance_per_position", "per-position acceptance"),
+        (context_section(runs), "acceptance_by_context", "acceptance by context length"),
         (estimate_section(runs), "", ""),
         (economics_section(runs), "speedup_predicted_vs_measured", "predicted vs measured speedup"),
     ):

@@ -74,11 +74,21 @@ def add_comparisons(runs: list[dict]) -> None:
         if r["head"] is None or b is None or not b["output_tokens_per_s"] or not r["output_tokens_per_s"]:
             continue
         r["speedup"] = r["output_tokens_per_s"] / b["output_tokens_per_s"]
+        add_context_speedups(r, b)
         tpot_head, tpot_base = r["tpot_ms"]["mean"], b["tpot_ms"]["mean"]
         # A schedule's k changes with the batch: no single-k economics for it.
         if r["acceptance"] and tpot_head and tpot_base and not r.get("schedule"):
             drafting = r.get("drafting", "chain")
             r["economics"] = economics(r["acceptance"], r["k"], tpot_head, tpot_base, r["speedup"], drafting)
+
+
+def add_context_speedups(run: dict, base: dict) -> None:
+    """Each context bucket's speedup: the baseline's mean time per output token over the head's, on the
+    same workload's requests of that bucket (the same prompts, as both runs send every prompt)."""
+    base_tpot = {row["bucket"]: row.get("tpot_ms") for row in base.get("by_context") or []}
+    for row in run.get("by_context") or []:
+        b, h = base_tpot.get(row["bucket"]), row.get("tpot_ms")
+        row["speedup"] = b / h if is_number(b) and is_number(h) and h > 0 else None
 
 
 # train's held-out estimate that predicts a served run (train/metrics.py ESTIMATES): at T=0 the argmax

@@ -17,6 +17,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 from target.vllm import root_cause, serve_argv, served_settings
@@ -58,6 +59,8 @@ class VllmServer:
         self.model, self.log_path = str(model), Path(log_path)
         # The settings the model card prints its serve command from too (export/card.py).
         self.settings = served_settings(self.model, speculative_config, args)
+        if speculative_config:  # each response carries its own acceptance: eval buckets it by context length
+            self.settings = replace(self.settings, owned={"per_request_spec_decode_metrics": "summary"})
         self.port = port or free_port()
         self.command = serve_argv(self.settings, self.port)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -205,6 +205,7 @@ def model_card(
                 ["aux layer ids (vLLM convention)", c.get("aux_layer_ids", "final hidden state")],
                 ["norm_before_residual", c.get("norm_before_residual", "n/a")],
                 ["decoder layers", num_layers],
+                ["attention", window_text(c.get("sliding_window"))],
                 [
                     "mask token id (parallel / block drafting)",
                     "n/a" if c.get("mask_token_id") is None else c["mask_token_id"],
@@ -360,6 +361,13 @@ def thinking_text(kwargs: dict | None) -> str:
     if not kwargs:
         return "the chat template's defaults (no `chat_template_kwargs`)"
     return f"`chat_template_kwargs` {json.dumps(kwargs)} in every request (or the server's defaults)"
+
+
+def window_text(window: int | None) -> str:
+    """The draft layers' attention: full causal, or a sliding window (vLLM's `layer_types`)."""
+    if window is None:
+        return "full causal"
+    return f"sliding window of {window} positions (config.json `layer_types` / `sliding_window`)"
 
 
 def modes_text(counts: dict | None) -> str:

@@ -111,6 +111,7 @@ def read_export_config(export_dir: Path) -> tuple[str, dict]:
         "aux_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
         "num_hidden_layers": layer.get("num_hidden_layers", 1),
         **served_norm_flags(config),
+        "sliding_window": served_window(layer),
     }
     if config.get("mask_token_id") is None:
         return "eagle3", fields
@@ -136,6 +137,17 @@ def dflash_fields(config: dict, layer: dict) -> dict:
         ids, causal = [i + 1 for i in dflash["target_layer_ids"]], dflash.get("causal", False)
         fields["mask_token_id"] = dflash.get("mask_token_id", fields["mask_token_id"])
     return fields | {"aux_layer_ids": ids, "causal": causal}
+
+
+def served_window(layer: dict) -> int | None:
+    """The sliding window vLLM 0.32 serves an EAGLE-3 draft layer with: `sliding_window` where its
+    `layer_types` entry says `sliding_attention` (one window for every layer, as this project writes it)."""
+    types = layer.get("layer_types") or []
+    if "sliding_attention" not in types:
+        return None
+    if set(types) != {"sliding_attention"}:
+        raise ValueError(f"layer_types={types}: a draft mixing windowed and full layers is not read here")
+    return layer["sliding_window"]
 
 
 def served_norm_flags(config: dict) -> dict:

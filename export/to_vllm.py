@@ -88,6 +88,18 @@ def llama_layer_config(head_config: dict, target_config, dtype: str) -> dict:
         "max_position_embeddings": max(c["max_position_embeddings"], target_config.max_position_embeddings),
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
+    } | sliding_window_fields(c)
+
+
+def sliding_window_fields(head_config: dict) -> dict:
+    """A windowed head's attention as vLLM 0.32 reads it for an EAGLE-3 draft layer (its `layer_types`, one
+    entry per draft layer, indexed from the draft's first; and `sliding_window`); nothing without one."""
+    window = head_config.get("sliding_window")
+    if window is None:
+        return {}
+    return {
+        "layer_types": ["sliding_attention"] * head_config.get("num_hidden_layers", 1),
+        "sliding_window": window,
     }
 
 

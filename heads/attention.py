@@ -233,16 +233,37 @@ class LayerKV:
             return self.starts_BS.gather(1, anchors_BM)
         return self.starts_BS[:, self.starts_BS.shape[1] - t :]
 
-    def attend(self, q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor, anchors_BM: Tensor | None) -> Tensor:
-        """Add this call's keys (to the sequence, or as the next step) and attend over what is kept."""
+    def attend(
+        self,
+        q_BNTD: Tensor,
+        k_BGTD: Tensor,
+        v_BGTD: Tensor,
+        anchors_BM: Tensor | None,
+        window: int | None = None,
+    ) -> Tensor:
+        """Add this call's keys (to the sequence, or as the next step) and attend over what is kept; with a
+        sliding `window`, each query sees only the keys of its last `window` positions (its own included)."""
         if self.k_BGSD is None or not self.steps:
             k_BGSD, v_BGSD = self.append(k_BGTD, v_BGTD)
-            starts_BT = self.query_starts(q_BNTD.shape[2], None)
+            t, s = q_BNTD.shape[2], k_BGSD.shape[2]
+            starts_BT = self.query_starts(t, None)
+            if window is not None:
+                rows_BT = torch.arange(s - t, s, device=q_BNTD.device).expand(q_BNTD.shape[0], t)
+                starts_BT = later(starts_BT, window_starts(rows_BT, window))
             return attention(q_BNTD, k_BGSD, v_BGSD, query_starts_BT=starts_BT)
         # A drafting step: its query at anchor t sees the sequence up to t and the steps so far at t.
         self.step_k.append(k_BGTD)
         self.step_v.append(v_BGTD)
         m = q_BNTD.shape[2]
+        starts_BT = self.query_starts(m, anchors_BM)
+        if window is not None:  # step j's query stands j positions past its anchor, as it is served
+            s = self.k_BGSD.shape[2]
+            rows_BT = (
+                anchors_BM
+                if anchors_BM is not None
+                else torch.arange(s - m, s, device=q_BNTD.device).expand(q_BNTD.shape[0], m)
+            )
+            starts_BT = later(starts_BT, window_starts(rows_BT, window, len(self.step_k)))
         return attention(
             q_BNTD,
             self.k_BGSD,
@@ -250,7 +271,7 @@ class LayerKV:
             anchors_BM,
             torch.stack([k[:, :, :m] for k in self.step_k], dim=3),
             torch.stack([v[:, :, :m] for v in self.step_v], dim=3),
-            query_starts_BT=self.query_starts(m, anchors_BM),
+            query_starts_BT=starts_BT,
         )
 
     def crop(self, length: int) -> None:
@@ -366,6 +387,18 @@ def flex_block_attention(
     return flex_attend(q_BNQD, keys_BGKD, values_BGKD, sees)
 
 
+def window_starts(rows_BT: Tensor, window: int, steps: int = 0) -> Tensor:
+    """The first key row each query sees under a sliding window of `window` tokens, vLLM's: the query's own
+    position and the `window - 1` before it. A drafting step `steps` after its anchor row stands that many
+    positions past it (its earlier steps' keys, between the two, are all inside: window > steps)."""
+    return (rows_BT + steps - window + 1).clamp(min=0)
+
+
+def later(starts_BT: Tensor | None, other_BT: Tensor) -> Tensor:
+    """The later of two first-visible-key bounds (a packed row's document start, a window's)."""
+    return other_BT if starts_BT is None else torch.maximum(starts_BT, other_BT)
+
+
 def document_positions(starts_BS: Tensor) -> Tensor:
     """[B, S] each position's place in its own document (RoPE positions) from the documents' starts."""
     return torch.arange(starts_BS.shape[1], device=starts_BS.device) - starts_BS
@@ -381,9 +414,19 @@ def causal_attention(q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor) -> Tensor:
 
 
 def attend(
-    q_BNTD: Tensor, k_BGTD: Tensor, v_BGTD: Tensor, kv: LayerKV | None, anchors_BM: Tensor | None = None
+    q_BNTD: Tensor,
+    k_BGTD: Tensor,
+    v_BGTD: Tensor,
+    kv: LayerKV | None,
+    anchors_BM: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
-    """A decoder layer's attention: plain causal over these positions, or through its cache."""
-    if kv is None:
+    """A decoder layer's attention: plain causal over these positions, or through its cache; with a sliding
+    `window` (head.sliding_window), over each query's last `window` positions only."""
+    if kv is None and window is None:
         return causal_attention(q_BNTD, k_BGTD, v_BGTD)
-    return kv.attend(q_BNTD, k_BGTD, v_BGTD, anchors_BM)
+    if kv is None:
+        b, _, t, _ = q_BNTD.shape
+        rows_BT = torch.arange(t, device=q_BNTD.device).expand(b, t)
+        return attention(q_BNTD, k_BGTD, v_BGTD, query_starts_BT=window_starts(rows_BT, window))
+    return kv.attend(q_BNTD, k_BGTD, v_BGTD, anchors_BM, window)

@@ -31,6 +31,9 @@ class LlamaLayerConfig:
     rope_theta: float = 10000.0  # RoPE base, copied from the target
     rope_scaling: dict | None = None  # RoPE scaling dict (rope_type + its fields), None for plain RoPE
     max_position_embeddings: int = 2048  # longest position; >= the target's or vLLM stops drafting there
+    # sliding-window attention in every layer: a query sees its own position and the window - 1 before it
+    # (vLLM 0.32's per-layer `layer_types` / `sliding_window`); None: full causal attention
+    sliding_window: int | None = None
 
     # Fields that must equal the target's, whatever a caller overrides (each head reads target tensors).
     SAME_AS_TARGET = ("hidden_size",)
@@ -44,6 +47,8 @@ class LlamaLayerConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: RoPE needs an even head dim")
         rope_type(self)  # fail at construction, not at the first forward
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise ValueError(f"sliding_window={self.sliding_window}: a window holds at least 2 positions")
 
     @classmethod
     def from_target_config(cls, target_config, **fields):

@@ -152,6 +152,7 @@ class DecoderLayer(nn.Module):
         if input_layernorm:
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, input_size or config.hidden_size, qk_norm)
+        self.window = getattr(config, "sliding_window", None)  # vLLM's per-layer sliding window, or None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
@@ -168,7 +169,7 @@ class DecoderLayer(nn.Module):
     def forward(self, *inputs: Tensor, kv: LayerKV | None = None, anchors_BM: Tensor | None = None) -> Tensor:
         """`project(*inputs)`, the one attention (through `kv` when given), `finish`."""
         q_BNTD, k_BGTD, v_BGTD, residual_BTH = self.project(*inputs)
-        return self.finish(attend(q_BNTD, k_BGTD, v_BGTD, kv, anchors_BM), residual_BTH)
+        return self.finish(attend(q_BNTD, k_BGTD, v_BGTD, kv, anchors_BM, self.window), residual_BTH)
 
 
 class DraftModel(nn.Module):

@@ -356,6 +356,11 @@ def test_no_aux_layers_is_refused_where_the_cache_is_built_unless_for_eagle1():
             ["eval.offline=true", "eval.temperature=[0,1]"],
             "eval.temperature=[0.0, 1.0]: must be [0] with eval.offline",
         ),
+        (
+            ["head.kind=dflash", "head.block_size=4", "head.sliding_window=64"],
+            "head.sliding_window=64: must be null for a dflash head",
+        ),
+        (["head.sliding_window=3"], "head.sliding_window=3: must be more than the drafted tokens"),
     ],
 )
 def test_settings_wrong_together_are_refused_when_composed(overrides, message):

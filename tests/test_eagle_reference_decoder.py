@@ -119,10 +119,15 @@ def test_a_stop_token_ends_the_output(target_and_head):
     assert output == full[: full.index(stop) + 1]
 
 
-@pytest.mark.parametrize("flags", [{}, {"norm_output": True, "fc_norm": True, "norm_before_residual": True}])
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"norm_output": True, "fc_norm": True, "norm_before_residual": True}, {"sliding_window": 5}],
+    ids=["plain", "norms", "window"],
+)
 def test_the_chain_is_trainings_ttt_rollout(target_and_head, flags):
     """Teacher-forced, chain step i from position t equals TTT step i at t: what training optimises is what
-    the decoder (and vLLM) runs - with the norm flags too (norm_output changes what the chain carries)."""
+    the decoder (and vLLM) runs - with the norm flags too (norm_output changes what the chain carries), and
+    with a sliding window shorter than the context (head.sliding_window)."""
     target, head = target_and_head
     if flags:
         torch.manual_seed(0)
@@ -168,10 +173,16 @@ def test_parallel_drafting_is_lossless(target_and_parallel_head):
         assert counts.num_draft_tokens == k * counts.num_drafts > 0
 
 
-def test_a_parallel_round_is_trainings_parallel_forward(target_and_parallel_head):
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_parallel_round_is_trainings_parallel_forward(target_and_parallel_head, window):
     """The mask slots the decoder (and vLLM) appends after position t equal training's depths at anchor t:
-    same inputs, positions and attention, through both layers."""
+    same inputs, positions and attention, through both layers (and a sliding window shorter than t)."""
     _, head = target_and_parallel_head
+    if window is not None:
+        torch.manual_seed(0)
+        draft = Eagle3Draft(Eagle3Config(**{**head.draft.config.to_dict(), "sliding_window": window}))
+        draft.load_state_dict(head.draft.state_dict())
+        head = DraftHead(draft.eval().requires_grad_(False), torch.arange(1024))
     torch.manual_seed(1)
     num_depths, length = 4, 20
     ids = torch.randint(0, 1024, (1, length))

@@ -104,7 +104,9 @@ class FakeServer:
             if piece == ".":
                 self.events.append(("answered", n))  # before the client can have read the answer
             await response.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
-        usage = {"choices": [], "usage": {"completion_tokens": 1 if silent else 3}}
+        usage = {"choices": [], "usage": {"completion_tokens": 1 if silent else 3, "prompt_tokens": len(payload["prompt"])},
+                 "metrics": {"speculative_decoding": {"num_spec_steps": 2, "num_accepted_draft_tokens": n,
+                                                      "num_draft_tokens": 6}}}  # fmt: skip
         await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         await response.write_eof()
         return response
@@ -147,6 +149,12 @@ def test_the_client_asks_the_second_turn_after_the_served_answer_to_the_first(to
     # Two conversations at concurrency 2: both first turns were in flight at once.
     assert server.events[:2] == [("received", 0), ("received", 1)]
     assert results[4].text.startswith("Answer") and single in server.prompts  # a plain prompt: one request
+    # Each request's context length and its own acceptance, read off its last chunk.
+    for result in results:
+        n = int(result.text.split()[1].rstrip("."))
+        assert (
+            result.prompt_tokens == len(server.prompts[n]) and result.spec["num_accepted_draft_tokens"] == n
+        )
 
 
 def test_a_turn_after_a_failed_one_is_not_sent_and_counts_as_failed(tokenizer):

@@ -336,3 +336,34 @@ def test_served_acceptance_stands_beside_trains_held_out_estimate(report, tmp_pa
     ]
     assert "| general k=2 | code |" not in text and "| code k=3 |" not in text
     assert "held-out estimate" not in report[2]  # none without estimates
+
+
+def test_acceptance_by_context_length_is_reported_plotted_and_compared_with_the_baseline(tmp_path):
+    from eval.results import add_context_speedups
+
+    results = synthetic_results(num_heads=1)
+    base, head = find_run(results, "baseline", "chat", 1), find_run(results, "general k=2", "chat", 1)
+    base["by_context"] = [
+        {"bucket": "<=512", "num_requests": 4, "prompt_tokens": [40, 480], "output_tokens": 256, "tpot_ms": 20.0,
+         "acceptance": None},
+        {"bucket": "2049-4096", "num_requests": 4, "prompt_tokens": [2100, 4000], "output_tokens": 256,
+         "tpot_ms": 30.0, "acceptance": None},
+    ]  # fmt: skip
+    head["by_context"] = [
+        {**base["by_context"][0], "tpot_ms": 10.0, "acceptance": {"mean_acceptance_length": 2.4}},
+        {**base["by_context"][1], "tpot_ms": 40.0, "acceptance": {"mean_acceptance_length": 1.2}},
+    ]
+    add_context_speedups(head, base)
+    assert [row["speedup"] for row in head["by_context"]] == [2.0, 0.75]
+    paths = write_report(results, tmp_path)
+    text = section((tmp_path / "report.md").read_text(), "## Acceptance by context length")
+    assert row_cells(text, "general k=2", "chat", "1", "2049-4096") == [
+        "general k=2", "chat", "1", "2049-4096", "4", "2100-4000", "1.20", "40.0", "0.75x"
+    ]  # fmt: skip
+    assert paths["plots/acceptance_by_context.png"].exists()
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert find_run(saved, "general k=2", "chat", 1)["by_context"][1]["speedup"] == 0.75
+    # without per-request buckets (an older results file): no section, no plot
+    no_buckets = tmp_path / "none"
+    assert "plots/acceptance_by_context.png" not in write_report(synthetic_results(num_heads=1), no_buckets)
+    assert "## Acceptance by context length" not in (no_buckets / "report.md").read_text()

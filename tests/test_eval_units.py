@@ -1,9 +1,11 @@
 """eval's pure parts: the /metrics parser on a recorded vLLM sample, the economics formula against hand
 computations, the recommendation rule, latency summaries and workloads."""
 
+import bisect
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,33 @@ def test_latency_summary_counts_failures_and_uses_client_times():
     assert percentiles_ms([])["p99"] is None
 
 
+def test_each_request_is_bucketed_by_its_context_length_with_its_own_acceptance():
+    from eval.client import context_bucket
+
+    bounds = [512, 2048, 4096]
+    assert [context_bucket(n, bounds) for n in (1, 512, 513, 2048, 4096, 4097)] == [
+        "<=512", "<=512", "513-2048", "513-2048", "2049-4096", ">4096"
+    ]  # fmt: skip
+
+    def served(prompt_tokens, steps, accepted, tpot_s):
+        spec = {"num_spec_steps": steps, "num_accepted_draft_tokens": accepted, "num_draft_tokens": 3 * steps}
+        return RequestResult(
+            True, None, steps + accepted, 0.1, tpot_s, [], prompt_tokens=prompt_tokens, spec=spec
+        )
+
+    results = [served(100, 10, 20, 0.01), served(3000, 10, 5, 0.02), served(300, 10, 10, 0.03)]
+    rows = summarize(results + [RequestResult(False, "HTTP 500", 0)], 1.0, bounds)["by_context"]
+    assert [(r["bucket"], r["num_requests"], r["prompt_tokens"]) for r in rows] == [
+        ("<=512", 2, [100, 300]), ("2049-4096", 1, [3000, 3000])
+    ]  # fmt: skip
+    short, long = rows[0]["acceptance"], rows[1]["acceptance"]
+    assert short["mean_acceptance_length"] == 1 + 30 / 20 and short["draft_acceptance_rate"] == 30 / 60
+    assert long["mean_acceptance_length"] == 1.5 and rows[0]["tpot_ms"] == pytest.approx(20.0)
+    # a server without per-request metrics: the buckets' latency, no acceptance
+    plain = [RequestResult(True, None, 4, 0.1, 0.01, [], prompt_tokens=10)]
+    assert summarize(plain, 1.0, bounds)["by_context"][0]["acceptance"] is None
+
+
 def test_serve_command_flags():
     settings = EngineSettings("/m", {"k": 1}, {"enforce-eager": True, "max_model_len": 512, "x": False})
     command = serve_argv(settings, 8000)
@@ -226,3 +255,28 @@ def test_fingerprint_changes_with_the_weights_not_the_card(tmp_path):
     assert files_fingerprint(tmp_path) == before
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # re-exported
     assert files_fingerprint(tmp_path) != before
+
+
+def test_long_prompts_are_spread_over_the_context_buckets():
+    from artifacts.smoke import build_tokenizer
+    from eval.long_context import long_prompts, spread_by_length
+
+    lengths = [10, 700, 20, 3000, 30, 5000, 900, 9000]
+    picked = spread_by_length(iter([[0] * n for n in lengths]), [512, 2048, 4096], 6, 6000)
+    assert [len(p) for p in picked] == [
+        10,
+        20,
+        700,
+        900,
+        3000,
+        5000,
+    ]  # two a bucket, in bucket order; 9000 too long
+    tokenizer = build_tokenizer()
+    bounds, limit = [256, 1024, 2048], 4096
+    for source in ("long_code", "long_chat"):
+        prompts = long_prompts(source, tokenizer, 8, bounds, limit, {}, 0.05)
+        counts = Counter(bisect.bisect_left([*bounds, limit], len(p)) for p in prompts)
+        assert len(prompts) == 8 and counts == {0: 2, 1: 2, 2: 2, 3: 2}, (source, counts)
+        assert all(tokenizer.decode(p).endswith("<|im_start|>assistant\n") for p in prompts)
+    chat = tokenizer.decode(prompts[-1])
+    assert chat.count("<|im_start|>user") >= 2 and chat.count("<|im_start|>assistant") >= 2  # continued

@@ -483,3 +483,59 @@ def test_vllm_serves_every_recipe_option_at_the_reference_decoders_rate(recipe_r
     assert report["vllm"]["mean_acceptance_length"] >= 1.3  # parity is only evidence when the head drafts
     assert report["parity"]["passed"] and report["num_identical_outputs"] == report["num_prompts"]
     assert report["export_differences"] == []
+
+
+@pytest.mark.parametrize("fmt", ["plain", "speculators"])
+def test_vllms_own_config_reader_sees_the_sliding_window(recipe_run, fmt):
+    """head.sliding_window as vLLM 0.32's EAGLE-3 Llama draft reads it: `layer_types` (one entry per draft
+    layer, from the draft's first) and `sliding_window`, in the HF config vLLM builds from either format."""
+    from transformers import LlamaConfig
+
+    from export.read_vllm import served_window
+    from export.to_vllm import eagle3_plain_config, eagle3_speculators_config
+
+    head = json.loads((recipe_run / "draft_head" / "draft_config.json").read_text())["config"]
+    head = {**head, "sliding_window": 16}
+    target_config = AutoConfig.from_pretrained(recipe_run / "smoke_target")
+    if fmt == "plain":
+        config = eagle3_plain_config(head, target_config, "float32")
+        layer = config
+    else:
+        speculators = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
+        config = eagle3_speculators_config(head, target_config, "float32", "t", 3)
+        layer = speculators.SpeculatorsConfig.extract_transformers_pre_trained_config(
+            json.loads(json.dumps(config))
+        )
+    hf = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures", "model_type")})
+    assert hf.layer_types == ["sliding_attention"] and hf.sliding_window == 16
+    assert served_window(config.get("transformer_layer_config", config)) == 16
+    assert "layer_types" not in eagle3_plain_config(
+        {**head, "sliding_window": None}, target_config, "float32"
+    )
+
+
+@pytest.fixture(scope="module")
+def window_head(regen_run, tmp_path_factory):
+    """A smoke EAGLE-3 head trained with a sliding window of 8 positions: every held-out context is longer."""
+    return trained(regen_run, tmp_path_factory, "window", "head.sliding_window=8", experiment="smoke_regen")
+
+
+# Slow (~2 min: a head trained, two vLLM engines): the window's config is checked against vLLM's reader above.
+@pytest.mark.slow
+def test_vllm_serves_a_sliding_window_head_at_the_reference_decoders_rate(window_head, tmp_path):
+    overrides = ["export.format=plain", f"export.out_dir={window_head / 'export'}", "export.verify=true"]
+    report = export(smoke_config(window_head, *overrides, experiment="smoke_regen"))["verification"]
+    config = json.loads((window_head / "export" / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] and config["sliding_window"] == 8
+    assert report["vllm"]["mean_acceptance_length"] >= 1.3
+    assert report["parity"]["passed"] and report["parity"]["mean_acceptance_length_relative_gap"] == 0
+    assert report["num_identical_outputs"] == report["num_prompts"]
+    # Served without its window, the same weights draft otherwise: the comparison sees the window.
+    caught = verify_a_wrong_export(
+        window_head, "eagle3", without_window, tmp_path, "differs from the reference"
+    )
+    assert [d.split(":")[0] for d in caught.report["export_differences"]] == ["sliding_window"]
+
+
+def without_window(config: dict, weights: dict) -> None:
+    del config["layer_types"], config["sliding_window"]

@@ -70,6 +70,28 @@ def test_the_one_attention_with_earlier_steps_matches_dense_mask(num_kv_heads):
             torch.testing.assert_close(causal_attention(qs[0], ks[0], vs[0]), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [2, 3, 5])
+def test_a_sliding_window_sees_a_querys_own_position_and_the_window_before_it(window):
+    """vLLM's window: the query at position p sees keys p - window + 1 .. p; a drafting step j at anchor t
+    stands at t + j, so it sees the sequence from t + j - window + 1 and its own earlier steps."""
+    from heads.attention import KVCache, attend
+
+    torch.manual_seed(0)
+    b, n, g, t, d = 1, 4, 2, 9, 8
+    q, k, v = torch.randn(b, n, t, d), torch.randn(b, g, t, d), torch.randn(b, g, t, d)
+    rows, cols = torch.arange(t)[:, None], torch.arange(t)[None]
+    in_window = (cols <= rows) & (cols > rows - window)
+    torch.testing.assert_close(attend(q, k, v, None, window=window), dense_attention(q, k, v, in_window))
+    cache = KVCache(1, steps=True)
+    cache.layers[0].attend(q, k, v, None, window)
+    q1, k1, v1 = torch.randn(b, n, t, d), torch.randn(b, g, t, d), torch.randn(b, g, t, d)
+    out = cache.layers[0].attend(q1, k1, v1, None, window)
+    # step 1 at anchor a: sequence keys a - window + 2 .. a, then its own key (position a + 1)
+    mask = torch.cat([(cols <= rows) & (cols > rows + 1 - window), torch.eye(t, dtype=torch.bool)], dim=1)
+    both_k, both_v = torch.cat([k, k1], dim=2), torch.cat([v, v1], dim=2)
+    torch.testing.assert_close(out, dense_attention(q1, both_k, both_v, mask), rtol=1e-5, atol=1e-5)
+
+
 def dense_rollout(model: Eagle3Draft, input_ids_T, aux_TAH, num_steps):
     """Reference rollout for one unpadded sample: every step's keys kept in one list, a dense mask."""
     layer, t = model.layer, input_ids_T.shape[0]

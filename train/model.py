@@ -228,6 +228,7 @@ def build_draft(cfg, target_config, cache_manifest, vocab):
         draft_vocab_size=vocab.draft_vocab_size,
         **{flag: bool(getattr(cfg.head, flag)) for flag in NORM_FLAGS},
         **parallel,
+        sliding_window=cfg.head.sliding_window,
     )
     return Eagle3Draft(config)
 

@@ -192,6 +192,16 @@ def check_combinations(cfg: DictConfig) -> None:
         )
     if cfg.head.position_weights == "dpace" and cfg.head.kind == "eagle1":
         refuse("head.position_weights", "dpace", "decay for an eagle1 head (EAGLE-1 trains one position)")
+    if cfg.head.sliding_window is not None:
+        if cfg.head.kind not in ("eagle3", "peagle"):
+            refuse("head.sliding_window", cfg.head.sliding_window,
+                   f"null for a {cfg.head.kind} head (vLLM 0.32 serves sliding windows in EAGLE-3 drafts)")  # fmt: skip
+        if cfg.head.sliding_window <= max(
+            cfg.head.num_ttt_steps, cfg.head.num_depths, cfg.export.num_speculative_tokens
+        ):
+            refuse("head.sliding_window", cfg.head.sliding_window,
+                   "more than the drafted tokens (head.num_ttt_steps, head.num_depths, export.num_speculative_tokens): "
+                   "a draft step's window holds the steps before it")  # fmt: skip
     if cfg.head.num_layers != 1 and cfg.head.kind not in ("peagle", "dflash"):
         refuse(
             "head.num_layers",

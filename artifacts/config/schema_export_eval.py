@@ -79,7 +79,9 @@ class EvalHeadConfig:
 @dataclass
 class WorkloadConfig:
     name: str = checked(MISSING, NON_EMPTY)  # label in reports
-    source: str = MISSING  # chat (held-out prompts) | code (HumanEval) | mtbench (2 turns) | a JSONL path
+    # chat (held-out prompts) | code (HumanEval) | mtbench (2 turns) | agent | long_chat | long_code (spread
+    # over eval.context_buckets: eval/long_context.py) | a JSONL path
+    source: str = MISSING
     num_prompts: int = checked(32, POSITIVE)  # prompts sent per measured run
     max_tokens: int = checked(128, POSITIVE)  # output tokens per request
 
@@ -97,6 +99,9 @@ class EvalConfig:
     # reported and recommended per temperature ("chat T=1")
     temperature: list[float] = checked(factory=lambda: [0.0], check=TEMPERATURES)
     ignore_eos: bool = False  # generate max_tokens even past the end of an answer
+    # context-length buckets (their upper bounds, prompt tokens): each request's own acceptance (vLLM's
+    # per-request metrics) and latency reported per bucket, the last bucket open above the last bound
+    context_buckets: list[int] = checked(factory=lambda: [512, 2048, 4096, 8192], check=POSITIVE_LIST)
     enable_threshold: float = checked(1.05, POSITIVE)  # recommend a head where its best speedup reaches this
     serve_schedule: bool = True  # serve each recommended per-batch-size k schedule once and measure it
     out_dir: str | None = None  # report directory (None: <run_dir>/eval)

@@ -47,6 +47,9 @@ class HeadConfig:
     # the loss of draft position k (TTT step or parallel depth) weighs gamma^k
     gamma: float = checked(0.8, within(0, 1, low_closed=False))
     num_layers: int = checked(1, POSITIVE)  # P-EAGLE / DFlash decoder layers (EAGLE-3's TTT drives one)
+    # EAGLE-3 / P-EAGLE: sliding-window draft attention over the last N positions (vLLM 0.32 serves it from
+    # the export's `layer_types` / `sliding_window`); more than the drafted k; None: full attention
+    sliding_window: int | None = checked(None, optional(Check(lambda v: v >= 2, ">= 2")))
     # the cache's aux layers this head reads (vLLM ids, a subset of cache.aux_layer_ids; None: all of them):
     # one cache holding the union serves heads of several kinds (e.g. EAGLE-3's 3 layers and DFlash's 5)
     aux_layer_ids: list[int] | None = None
