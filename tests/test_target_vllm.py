@@ -7,6 +7,7 @@ import json
 import re
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -76,12 +77,15 @@ def test_regeneration_verification_and_serving_take_the_same_settings(engines, t
     assert verify == llm_kwargs(EngineSettings(target, spec, KWARGS, dtype="float32"))
 
     # The server: the same target, head and user settings as flags, in the order the config gives them.
+    # Eval's server adds only that each response carries its own acceptance (eval buckets it by context).
     server = VllmServer(target, tmp_path / "serve.log", SERVER_ARGS, spec, port=8000)
-    assert server.settings == served_settings(target, spec, SERVER_ARGS)
+    per_request = {"per_request_spec_decode_metrics": "summary"}
+    assert server.settings == replace(served_settings(target, spec, SERVER_ARGS), owned=per_request)
     command = server.command
     assert command[command.index("--model") + 1] == target
     assert command[command.index("--port") + 1] == "8000"
-    shared = [flag(name, verify[name]) for name in (*KWARGS, "speculative_config")]
+    shared = [flag(name, verify[name]) for name in KWARGS]
+    shared += [flag(*next(iter(per_request.items()))), flag("speculative_config", spec)]
     assert command[command.index("--port") + 2 :] == [part for f in shared for part in f]
     assert json.loads(command[-1]) == spec
 
@@ -90,7 +94,8 @@ def test_regeneration_verification_and_serving_take_the_same_settings(engines, t
     entry = vllm_entry_point()
     assert shlex.split(printed)[: len(entry)] == entry
     served = command[command.index("--model") + 1 :]
-    assert shlex.split(printed)[len(entry) :] == served[:1] + served[5:]
+    flagged = served.index("--per-request-spec-decode-metrics")
+    assert shlex.split(printed)[len(entry) :] == served[:1] + served[5:flagged] + served[flagged + 2 :]
 
 
 def test_the_model_card_prints_the_served_command(tmp_path):
