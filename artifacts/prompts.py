@@ -11,6 +11,7 @@ from pathlib import Path
 
 from artifacts.config import DEFAULT_ROLE_MAP
 from artifacts.conversation import (
+    SYSTEM_ROLES,
     SkippedRecord,
     content_text,
     message_of,
@@ -98,9 +99,10 @@ def read_record(record, default_id: str) -> dict:
     return entry | ({"tools": tools} if tools else {}) | ({"chat_template_kwargs": kwargs} if kwargs else {})
 
 
-def own_kwargs(template_kwargs: dict | None, conversation: dict) -> dict:
-    """A request's chat-template kwargs as vLLM merges them: the served ones, the request's own over them."""
-    return {**(template_kwargs or {}), **conversation.get("chat_template_kwargs", {})}
+def request_kwargs(served: dict | None, own: dict | None) -> dict:
+    """A request's chat-template kwargs as vLLM merges them: the served ones (the server's defaults), the
+    request's own over them."""
+    return {**(served or {}), **(own or {})}
 
 
 def agentic(conversation: dict) -> bool:
@@ -171,8 +173,8 @@ def template_messages(messages: list[dict], chat_template: str | None = None) ->
     )
     if developer_role or not any(m["role"] == "developer" for m in messages):
         return messages
-    system = [m["content"] for m in messages if m["role"] in ("system", "developer") and m["content"]]
-    rest = [m for m in messages if m["role"] not in ("system", "developer")]
+    system = [m["content"] for m in messages if m["role"] in SYSTEM_ROLES and m["content"]]
+    rest = [m for m in messages if m["role"] not in SYSTEM_ROLES]
     return [{"role": "system", "content": "\n\n".join(system)}, *rest]
 
 
@@ -210,7 +212,12 @@ def held_out_prompts(cache_dir: Path, tokenizer, num_prompts: int, template_kwar
     if not conversations:
         raise ValueError(f"{path} holds no conversations: no held-out prompts to decode")
     return [
-        prompt_token_ids(tokenizer, c["messages"], c.get("tools"), own_kwargs(template_kwargs, c))
+        prompt_token_ids(
+            tokenizer,
+            c["messages"],
+            c.get("tools"),
+            request_kwargs(template_kwargs, c.get("chat_template_kwargs")),
+        )
         for c in conversations
     ]
 

@@ -31,7 +31,7 @@ from artifacts.cache import read_shard_sidecar, read_shard_tokens, shard_path
 from artifacts.config import check_config, register_configs
 from artifacts.errors import stage_errors
 from artifacts.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity
-from artifacts.prompts import served_template_kwargs
+from artifacts.prompts import request_kwargs, served_template_kwargs
 from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
 from data_prep.capture import (
@@ -45,7 +45,7 @@ from data_prep.capture import (
 )
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
 from data_prep.regenerate import answer_samples, regen_settings, regenerate_rank_share
-from data_prep.render import RenderedSample, fit_length, render_all, request_kwargs
+from data_prep.render import RenderedSample, fit_length, render_all
 from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging
 from target.model import (
@@ -373,7 +373,10 @@ def run(cfg: DictConfig) -> dict:
 def samples_by_mode(samples, conversations, template_kwargs) -> dict[str, int]:
     """The training samples per thinking mode (the chat-template kwargs each was rendered and asked with, as
     JSON: a log may mix modes)."""
-    modes = {c.id: json.dumps(request_kwargs(template_kwargs, c), sort_keys=True) for c in conversations}
+    modes = {
+        c.id: json.dumps(request_kwargs(template_kwargs, c.template_kwargs), sort_keys=True)
+        for c in conversations
+    }
     served = json.dumps(template_kwargs or {}, sort_keys=True)
     return dict(Counter(modes.get(s.id, modes.get(s.id.rsplit("/turn", 1)[0], served)) for s in samples))
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from artifacts import atomic
 from artifacts.cache import file_sha256
 from artifacts.conversation import answered
-from data_prep.render import SENT_WITHOUT_REASONING, TemplateDrops, render_prompt, request_kwargs
+from artifacts.prompts import request_kwargs
+from data_prep.render import SENT_WITHOUT_REASONING, TemplateDrops, render_prompt
 from target.answers import AnswerReader, tool_calls_of
 from target.vllm import EngineSettings, running_llm
 
@@ -145,7 +146,9 @@ def regenerate_conversations(
         tokenizer, getattr(cfg, "tool_parser", None), getattr(cfg, "reasoning_parser", None), template_kwargs
     )
     max_model_len = llm.llm_engine.model_config.max_model_len
-    kwargs = [request_kwargs(template_kwargs, c) for c in conversations]  # each request's thinking mode
+    kwargs = [
+        request_kwargs(template_kwargs, c.template_kwargs) for c in conversations
+    ]  # each request's thinking mode
     skips = [reader.skip_special_tokens(c.tools, k) for c, k in zip(conversations, kwargs)]
     counts = Counter()
     steps = [conversation_steps(c.messages) for c in conversations]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from artifacts.prompts import apply_template
+from artifacts.prompts import apply_template, request_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -199,12 +199,6 @@ def render_prompt(
     return _tokens(tokenizer, conv_id, text, spans)
 
 
-def request_kwargs(template_kwargs: dict | None, conversation) -> dict:
-    """A request's chat-template kwargs as vLLM merges them: the run's (the server's defaults), then the
-    request's own over them."""
-    return {**(template_kwargs or {}), **(getattr(conversation, "template_kwargs", None) or {})}
-
-
 def render_all(
     tokenizer, conversations, max_length: int, overlong: str, template_kwargs=None
 ) -> tuple[list[RenderedSample], Counter, int]:
@@ -215,7 +209,7 @@ def render_all(
     samples, skipped, num_truncated = [], Counter(), 0
     for conv in conversations:
         try:
-            kwargs = request_kwargs(template_kwargs, conv)
+            kwargs = request_kwargs(template_kwargs, getattr(conv, "template_kwargs", None))
             rendered = render_samples(tokenizer, conv.id, conv.messages, getattr(conv, "tools", None), kwargs)
         except TemplateDrops as error:
             log.warning("conversation %s: %s", conv.id, error)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eval.workloads import Conversation, Prompt
+from heads.acceptance import AcceptanceCounts
 
 STEP_GAP_S = 1e-3  # chunks closer than this arrived from one engine step
 
@@ -185,20 +186,10 @@ def context_bucket(prompt_tokens: int, bounds: list[int]) -> str:
 
 
 def acceptance_of(specs: list[dict]) -> dict | None:
-    """Summed per-request counts as the server's counters would read (eval/prometheus.py): drafts (verify
-    steps), draft tokens, accepted tokens, and the mean acceptance length 1 + accepted / drafts."""
+    """Requests' own counts summed, as the server's counters would hold them (heads/acceptance.py)."""
     if not specs:
         return None
-    drafts = sum(s["num_spec_steps"] for s in specs)
-    accepted = sum(s["num_accepted_draft_tokens"] for s in specs)
-    draft_tokens = sum(s["num_draft_tokens"] for s in specs)
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": draft_tokens,
-        "num_accepted_tokens": accepted,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-    }
+    return sum(map(AcceptanceCounts.from_request_metrics, specs), AcceptanceCounts()).summary()
 
 
 def by_context(ok: list[RequestResult], bounds: list[int]) -> list[dict]:

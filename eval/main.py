@@ -80,7 +80,7 @@ def evaluate_heads(cfg: DictConfig) -> dict:
                 "limit": max_model_len - w.max_tokens,
                 "eval_fraction": cfg.data.eval_fraction,
             },
-        )  # fmt: skip
+        )
         for w in cfg.eval.workloads
     }
     notes = list(dict.fromkeys(c["note"] for c in configs if c.get("note")))  # one per head, not per k

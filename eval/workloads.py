@@ -31,9 +31,9 @@ from artifacts.agent_data import conversations as agent_conversations
 from artifacts.prompts import (
     chat_prompt_ids,
     distinct_prompts,
-    own_kwargs,
     read_conversations,
     read_record,
+    request_kwargs,
     requests_of,
 )
 from eval.long_context import LONG_SOURCES, long_prompts
@@ -130,7 +130,6 @@ def workload_prompts(
     `bounds`, the longest prompt `limit` and the split's `eval_fraction`."""
     kwargs = dict(template_kwargs or {})
     if source in LONG_SOURCES:
-        long = long or {}
         return long_prompts(source, tokenizer, num_prompts, long["bounds"], long["limit"], kwargs,
                             long["eval_fraction"])  # fmt: skip
     if source == "mtbench":
@@ -162,7 +161,7 @@ def workload_prompts(
         raise ValueError(f"workload {source!r} holds no prompts")
     requests = [(messages, c) for c in conversations for messages in requests_of(c)]
     return [
-        chat_prompt_ids(tokenizer, m, c.get("tools"), own_kwargs(kwargs, c))
+        chat_prompt_ids(tokenizer, m, c.get("tools"), request_kwargs(kwargs, c.get("chat_template_kwargs")))
         for m, c in requests[:num_prompts]
     ]
 

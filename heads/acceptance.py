@@ -126,6 +126,19 @@ class AcceptanceCounts:
         )
 
     @classmethod
+    def from_request_metrics(cls, metrics: dict) -> AcceptanceCounts:
+        """One request's counts from vLLM 0.32's per-request `metrics.speculative_decoding` (a server run
+        with --per-request-spec-decode-metrics): its `acceptance_histogram[j]` counts the verify steps that
+        accepted exactly j drafts, so position i was accepted in the steps that accepted more than i."""
+        histogram = [int(n) for n in metrics["acceptance_histogram"]]
+        return cls(
+            int(metrics["num_spec_steps"]),
+            int(metrics["num_draft_tokens"]),
+            int(metrics["num_accepted_draft_tokens"]),
+            [sum(histogram[i + 1 :]) for i in range(len(histogram) - 1)],
+        )
+
+    @classmethod
     def from_vllm_metrics(cls, metrics) -> AcceptanceCounts:
         """From `vllm.LLM.get_metrics()` (cumulative since the engine started).
 

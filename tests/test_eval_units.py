@@ -146,7 +146,12 @@ def test_each_request_is_bucketed_by_its_context_length_with_its_own_acceptance(
     ]  # fmt: skip
 
     def served(prompt_tokens, steps, accepted, tpot_s):
-        spec = {"num_spec_steps": steps, "num_accepted_draft_tokens": accepted, "num_draft_tokens": 3 * steps}
+        whole, rest = divmod(accepted, steps)  # vLLM's histogram: steps that accepted exactly j of 3 drafts
+        histogram = [0, 0, 0, 0]
+        histogram[whole] += steps - rest
+        histogram[whole + 1] += rest
+        spec = {"num_spec_steps": steps, "num_accepted_draft_tokens": accepted, "num_draft_tokens": 3 * steps,
+                "acceptance_histogram": histogram}  # fmt: skip
         return RequestResult(
             True, None, steps + accepted, 0.1, tpot_s, [], prompt_tokens=prompt_tokens, spec=spec
         )
@@ -158,6 +163,7 @@ def test_each_request_is_bucketed_by_its_context_length_with_its_own_acceptance(
     ]  # fmt: skip
     short, long = rows[0]["acceptance"], rows[1]["acceptance"]
     assert short["mean_acceptance_length"] == 1 + 30 / 20 and short["draft_acceptance_rate"] == 30 / 60
+    assert short["accepted_per_position"] == [20, 10, 0]  # from each request's histogram: 2 each, then 1 each
     assert long["mean_acceptance_length"] == 1.5 and rows[0]["tpot_ms"] == pytest.approx(20.0)
     # a server without per-request metrics: the buckets' latency, no acceptance
     plain = [RequestResult(True, None, 4, 0.1, 0.01, [], prompt_tokens=10)]
