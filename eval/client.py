@@ -211,6 +211,23 @@ def by_context(ok: list[RequestResult], bounds: list[int]) -> list[dict]:
     ]
 
 
+def per_request(ok: list[RequestResult]) -> list[dict]:
+    """Each request's context length and own draft counts (vLLM's per-request metrics), in prompt order:
+    the watch weighs them by a served window's length mix (watch/expectation.py)."""
+    rows = []
+    for r in sorted(ok, key=lambda r: r.prompt_tokens):
+        if r.spec:
+            counts = AcceptanceCounts.from_request_metrics(r.spec)
+            rows.append(
+                {
+                    "prompt_tokens": r.prompt_tokens,
+                    "num_drafts": counts.num_drafts,
+                    "accepted_per_position": counts.accepted_per_position,
+                }
+            )
+    return rows
+
+
 def summarize(results: list[RequestResult], duration_s: float, context_buckets: list[int] = ()) -> dict:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.num_tokens for r in ok)
@@ -226,4 +243,5 @@ def summarize(results: list[RequestResult], duration_s: float, context_buckets: 
         "tpot_ms": percentiles_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": percentiles_ms([gap for r in ok for gap in r.itls_s]),
         "by_context": by_context(ok, list(context_buckets)) if context_buckets else [],
+        "per_request": per_request(ok),
     }

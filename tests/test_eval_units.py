@@ -165,6 +165,11 @@ def test_each_request_is_bucketed_by_its_context_length_with_its_own_acceptance(
     assert short["mean_acceptance_length"] == 1 + 30 / 20 and short["draft_acceptance_rate"] == 30 / 60
     assert short["accepted_per_position"] == [20, 10, 0]  # from each request's histogram: 2 each, then 1 each
     assert long["mean_acceptance_length"] == 1.5 and rows[0]["tpot_ms"] == pytest.approx(20.0)
+    # each request's own length and counts, kept for the watch's length mix (watch/expectation.py)
+    rows = summarize(results, 1.0, bounds)["per_request"]
+    assert [(r["prompt_tokens"], r["num_drafts"], r["accepted_per_position"]) for r in rows] == [
+        (100, 10, [10, 10, 0]), (300, 10, [10, 0, 0]), (3000, 10, [5, 0, 0])
+    ]  # fmt: skip
     # a server without per-request metrics: the buckets' latency, no acceptance
     plain = [RequestResult(True, None, 4, 0.1, 0.01, [], prompt_tokens=10)]
     assert summarize(plain, 1.0, bounds)["by_context"][0]["acceptance"] is None

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from heads.acceptance import AcceptanceCounts
-from watch.expectation import NotMeasured, expected_from_results, expected_from_verification
+from watch.expectation import NotMeasured, expected_from_results, expected_from_verification, request_counts
 from watch.health import Histogram, Watcher, judge, read_snapshot, restart_reason, window
 from watch.main import status_line
 
@@ -325,3 +325,93 @@ def test_the_acceptance_length_interval_covers_as_often_as_it_says():
         for c in (eval_counts([0.5, 0.6], drafts=400, seed=seed) for seed in range(300))
     )
     assert 0.92 < covered / 300 < 0.99  # ~95% at z = 2
+
+
+PROMPT_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]  # vLLM's 1-2-5 up to 8,192
+
+
+class LengthServer(Server):
+    """A Server whose requests have a context length: vLLM's prompt-length histogram per finished request."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.prompts = [0] * (len(PROMPT_BUCKETS) + 1)
+        self.prompt_sum = 0.0
+
+    def serve(self, seconds, rounds, prompt_tokens=300, **kwargs):
+        before = self.requests
+        super().serve(seconds, rounds, **kwargs)
+        for _ in range(self.requests - before):
+            for i, le in enumerate([*PROMPT_BUCKETS, math.inf]):
+                self.prompts[i] += prompt_tokens <= le
+            self.prompt_sum += prompt_tokens
+        return self
+
+    def metrics(self) -> str:
+        labels, name = f'engine="0",model_name="{MODEL}"', "vllm:request_prompt_tokens"
+        lines = [f"# TYPE {name} histogram"]
+        for le, count in zip([*PROMPT_BUCKETS, math.inf], self.prompts):
+            bound = "+Inf" if math.isinf(le) else str(float(le))
+            lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(count)}')
+        lines += [
+            f"{name}_count{{{labels}}} {float(self.prompts[-1])}",
+            f"{name}_sum{{{labels}}} {self.prompt_sum}",
+        ]
+        return super().metrics() + "\n".join(lines) + "\n"
+
+
+SHORT, LONG = [0.5, 0.3], [0.2, 0.1]  # conditional acceptance of short (300-token) and long (6,000) contexts
+
+
+@pytest.fixture
+def by_length(tmp_path):
+    """eval's results.json with each request's length and counts: 20 short and 20 long requests, 40 drafts
+    each, in one run (as eval's long workloads spread them over the context buckets)."""
+    rows = [
+        {"prompt_tokens": tokens, "num_drafts": 40,
+         "accepted_per_position": eval_counts(rates, drafts=40, seed=seed).accepted_per_position}
+        for seed in range(20) for tokens, rates in ((300, SHORT), (6000, LONG))
+    ]  # fmt: skip
+    whole = sum((request_counts(row) for row in rows), AcceptanceCounts())
+    run = {"head": "peagle", "k": 2, "schedule": None, "workload": "long_chat", "temperature": 0.0,
+           "concurrency": 1, "acceptance": whole.summary(), "speedup": None, "per_request": rows}  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"runs": [run]}))
+    return expected_from_results(path, "peagle", 2)
+
+
+def test_a_window_is_judged_against_the_band_of_its_own_context_lengths(by_length):
+    """Acceptance falls with context length. Long-context traffic served at the long contexts' measured
+    acceptance is healthy (judged against the whole run's mix it would be degraded); short-context traffic
+    falling to the mix's acceptance is degraded (against the whole run's band it would pass)."""
+    run = by_length.runs[0]
+    assert [tokens for tokens, _ in run.requests[:2]] == [300, 6000] and len(run.requests) == 40
+    long_traffic = timeline(
+        LengthServer(seed=3), by_length, [(6, {"conditional": LONG, "prompt_tokens": 6000})]
+    )
+    assert [v.name for v in long_traffic] == ["healthy"] * 6
+    assert list(long_traffic[0].numbers["length_mix"]) == [">5000"]  # vLLM's last bucket below 8,192
+    whole_band = by_length.band_low(long_traffic[0].numbers["q"])
+    assert all(v.numbers["acceptance_high"] < whole_band for v in long_traffic)  # the mix-blind verdict
+    assert all(v.numbers["expected_low"] < whole_band - 0.1 for v in long_traffic)
+
+    mixed = [0.36, 0.2]  # L ~1.43: the run's mean, well below short contexts' 1.65
+    short_traffic = timeline(
+        LengthServer(seed=4), by_length, [(6, {"conditional": mixed, "prompt_tokens": 300})]
+    )
+    assert [v.name for v in short_traffic] == ["degraded"] * 6
+    assert all(v.numbers["acceptance_high"] > by_length.band_low(v.numbers["q"]) for v in short_traffic)
+    assert list(short_traffic[0].numbers["length_mix"]) == ["<=500"]
+
+
+def test_a_length_eval_never_measured_is_judged_against_the_whole_band(by_length):
+    """A window of 1,500-token requests (vLLM's bucket 1,001-2,000, where eval measured none): the whole
+    run's band, said by the numbers holding no length mix; a server without the prompt-length histogram
+    likewise."""
+    verdicts = timeline(LengthServer(seed=5), by_length, [(2, {"conditional": LONG, "prompt_tokens": 1500})])
+    assert all("length_mix" not in v.numbers for v in verdicts)
+    assert all(
+        v.numbers["expected_low"] == pytest.approx(by_length.band_low(v.numbers["q"])) for v in verdicts
+    )
+    plain = timeline(Server(seed=5), by_length, [(2, {"conditional": LONG})])
+    assert all("length_mix" not in v.numbers for v in plain)

@@ -6,6 +6,11 @@ A record measured at a larger k than the server drafts still holds the server's 
 drafts do not depend on how many follow (a chain, or P-EAGLE's causal parallel slots): vLLM accepts a
 prefix, so the counts of positions 1..k are the counts at k (`AcceptanceCounts` truncated). A bidirectional
 DFlash block changes every slot with its length: no such derivation.
+
+Acceptance falls with context length, so a window is judged against the band of its own length mix where
+eval recorded each request's context length and counts (results.json `per_request`): eval's requests are
+grouped by the bounds of the server's prompt-length histogram (`vllm:request_prompt_tokens`), and each
+group weighs in by the window's share of requests in it (`Expected.band_low`, `mix`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +34,36 @@ class Measured:
     acceptance: AcceptanceCounts
     speedup: float | None  # against the baseline on the same prompts; None: verification (no server)
     itl_p99_ms: float | None
+    # each request's context length (prompt tokens) and own counts, where eval recorded them
+    requests: tuple[tuple[int, AcceptanceCounts], ...] = ()
+
+    def mix_low(self, q: float, dispersion: float, mix: Sequence[tuple[float, float]]) -> float | None:
+        """The lower bound of L over this run's requests weighed by a window's length mix: `mix` holds
+        (upper bound, requests) per prompt-length bucket, +Inf last, as the server's histogram has them.
+        Each bucket's requests weigh in by the window's share of requests there times their drafts per
+        request; the standard errors combine as independent. None where a bucket the window has requests
+        in holds none of this run's (not measured at that length) or nothing was recorded per request."""
+        if not self.requests:
+            return None
+        parts, lower = [], -math.inf
+        for upper, share in mix:
+            members = [counts for tokens, counts in self.requests if lower < tokens <= upper]
+            lower = upper
+            if share <= 0:
+                continue
+            counts = sum(members, AcceptanceCounts())
+            if not counts.num_drafts:
+                return None
+            parts.append((share * counts.num_drafts / len(members), counts))
+        total = sum(weight for weight, _ in parts)
+        if not total:
+            return None
+        mean = sum(weight * counts.mean_acceptance_length for weight, counts in parts) / total
+        spread = [counts.mean_acceptance_bounds(q, dispersion) for _, counts in parts]
+        half = math.sqrt(
+            sum((w / total * (high - low) / 2) ** 2 for (w, _), (low, high) in zip(parts, spread))
+        )
+        return mean - half
 
 
 @dataclass(frozen=True)
@@ -39,11 +75,20 @@ class Expected:
     runs: tuple[Measured, ...]
     source: str  # the file it was read from (and the k it was derived from), said in every report
 
-    def band_low(self, q: float, dispersion: float = 1.0) -> float:
+    def band_low(self, q: float, dispersion: float = 1.0, mix: Sequence[tuple[float, float]] = ()) -> float:
         """The bottom of the expected band: the lowest lower bound of L over the workloads measured (q
         standard errors), its drafts as dispersed as the window's (eval's requests are requests like the
-        window's)."""
+        window's). With a window's length `mix` (`Measured.mix_low`), over the runs that measured every
+        length the window holds; where none did, over whole runs."""
+        mixed = [run.mix_low(q, dispersion, mix) for run in self.runs] if mix else []
+        mixed = [low for low in mixed if low is not None]
+        if mixed:
+            return min(mixed)
         return min(run.acceptance.mean_acceptance_bounds(q, dispersion)[0] for run in self.runs)
+
+    def judges_mix(self, mix: Sequence[tuple[float, float]]) -> bool:
+        """Whether `band_low` weighs this length mix (some run measured every length it holds)."""
+        return any(run.mix_low(1.0, 1.0, mix) is not None for run in self.runs) if mix else False
 
     def nearest(self, concurrency: float) -> list[Measured]:
         """The runs at the measured concurrency nearest (in ratio) the observed one."""
@@ -82,6 +127,13 @@ def truncated(counts: AcceptanceCounts, k: int) -> AcceptanceCounts:
     """Counts of drafts of k tokens from drafts of more (vLLM accepts a prefix: positions 1..k alone)."""
     kept = list(counts.accepted_per_position[:k])
     return AcceptanceCounts(counts.num_drafts, counts.num_drafts * k, sum(kept), kept)
+
+
+def request_counts(row: dict) -> AcceptanceCounts:
+    """One request's counts from eval's `per_request` row (eval/client.py `per_request`)."""
+    kept = [int(c) for c in row["accepted_per_position"]]
+    drafts = int(row["num_drafts"])
+    return AcceptanceCounts(drafts, drafts * len(kept), sum(kept), kept)
 
 
 def expected_from_results(
@@ -141,6 +193,10 @@ def expected_from_results(
                 truncated(AcceptanceCounts.from_summary(run["acceptance"]), k),
                 run.get("speedup"),
                 run.get("itl_ms", {}).get("p99"),
+                tuple(
+                    (int(row["prompt_tokens"]), truncated(request_counts(row), k))
+                    for row in run.get("per_request") or []
+                ),
             )
             for run in runs
         ),

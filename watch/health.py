@@ -13,7 +13,9 @@ gives each window a `Verdict`, with statistics rather than fixed thresholds:
   the watch lengthens the window until it does (a window shorter than its requests cannot say how much they
   differ, and judged anyway it raises false alarms);
 - `degraded` when the window's upper bound L + q se falls below the expected band (the lowest lower bound
-  eval measured on the workloads judged against); back to `healthy` when its lower bound rises into it;
+  eval measured on the workloads judged against, at the window's own mix of context lengths where eval
+  recorded its requests' lengths: watch/expectation.py); back to `healthy` when its lower bound rises into
+  it;
 - `net-negative` when the upper bound falls below break-even: the L at which the head's measured round cost
   (at the eval concurrency nearest the window's) makes serving as fast as no speculation, L_be = L_eval /
   speedup_eval (speedup proportional to L at a fixed round cost);
@@ -40,6 +42,7 @@ from watch.expectation import Expected
 
 ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"  # its sum over a window / the window's length = mean concurrency
+PROMPT_TOKENS = "vllm:request_prompt_tokens"  # the finished requests' context lengths: a window's length mix
 GENERATED = "vllm:generation_tokens"
 REQUESTS = "vllm:request_success"
 
@@ -85,6 +88,14 @@ class Histogram:
             tuple((le, c - before.get(le, 0.0)) for le, c in self.buckets), self.total - earlier.total
         )
 
+    def per_bucket(self) -> tuple[tuple[float, float], ...]:
+        """(upper bound, observations in that bucket alone) per bucket, +Inf last."""
+        below, rows = 0.0, []
+        for le, cumulative in self.buckets:
+            rows.append((le, cumulative - below))
+            below = cumulative
+        return tuple(rows)
+
     def count_above(self, threshold: float) -> float:
         """Observations above the smallest bucket bound >= threshold (so never more than lie above it)."""
         for le, cumulative in self.buckets:
@@ -129,6 +140,7 @@ class Snapshot:
     requests: float  # finished requests
     itl: Histogram
     e2e: Histogram
+    prompt_tokens: Histogram = Histogram()
     model_names: frozenset[str] = frozenset()
     # the server process' identity: process_start_time_seconds and the earliest `_created` of its counters
     # (None where it exposes neither, e.g. prometheus_client's multiprocess mode)
@@ -158,6 +170,7 @@ def read_snapshot(text: str, time_s: float) -> Snapshot:
         counter_total(samples, REQUESTS),
         histogram(samples, ITL),
         histogram(samples, E2E),
+        histogram(samples, PROMPT_TOKENS),
         frozenset(labels["model_name"] for _, labels, _ in samples if "model_name" in labels),
         min(started) if started else None,
         min(created) if created else None,
@@ -201,6 +214,7 @@ class Window:
     request_s: float = float("nan")  # the finished requests' mean latency (nan: none finished)
     batches: int = 0  # request-long batches with drafts (watch/dispersion.py)
     dispersion: float = 1.0  # the acceptance's variance over the independent drafts'
+    prompt_tokens: Histogram = Histogram()  # the finished requests' context lengths
 
     @property
     def seconds(self) -> float:
@@ -230,6 +244,7 @@ def window(earlier: Snapshot, later: Snapshot, between: Sequence[Snapshot] = ())
         request_s,
         len(merged),
         dispersion(merged, acceptance),
+        later.prompt_tokens - earlier.prompt_tokens,
     )
 
 
@@ -303,7 +318,13 @@ def judge(
         return Verdict("insufficient", insufficient_reason(current), numbers)
     q = t_quantile(z, current.batches - 1)  # the dispersion is estimated from `batches` numbers
     low, high = counts.mean_acceptance_bounds(q, current.dispersion)
-    band = expected.band_low(q, current.dispersion)
+    mix = current.prompt_tokens.per_bucket() if current.prompt_tokens.count > 0 else ()
+    band = expected.band_low(q, current.dispersion, mix)
+    if expected.judges_mix(mix):
+        bounds = [0.0] + [le for le, _ in mix]
+        numbers["length_mix"] = {  # requests per prompt-length bucket, as vLLM's histogram cuts them
+            (f">{below:g}" if math.isinf(le) else f"<={le:g}"): n for below, (le, n) in zip(bounds, mix) if n
+        }
     break_even = expected.break_even(current.concurrency)
     numbers.update(acceptance_low=low, acceptance_high=high, expected_low=band, break_even=break_even, q=q)
     if break_even is not None and high < break_even:
