@@ -264,11 +264,13 @@ def normalize_messages(
     role_map: dict[str, str],
     system_prompt: str | None,
     max_turns: int | None = None,
+    keep_unanswered: bool = False,
 ) -> list[dict]:
     """Map roles and check the shape: after `[system]`, a user turn, then assistant turns each followed by
     the user or - having called tools - by `tool` results (one per call, in any order), which the assistant
-    or the user follows. Drop orphan leading answers and trailing turns no answer follows, keep the first
-    `max_turns` exchanges (an exchange: a user turn and all that follows it up to the next one)."""
+    or the user follows. Drop orphan leading answers and trailing turns no answer follows (`keep_unanswered`:
+    keep them, for regeneration to answer), keep the first `max_turns` exchanges (an exchange: a user turn
+    and all that follows it up to the next one)."""
     messages = []
     for source_role, content, turn in turns:
         if not isinstance(source_role, str):
@@ -293,11 +295,11 @@ def normalize_messages(
         users = [i for i, m in enumerate(after_system) if m["role"] == "user"]
         if len(users) > max_turns:
             after_system = after_system[: users[max_turns]]
-    while after_system and after_system[-1]["role"] != "assistant":
+    while after_system and after_system[-1]["role"] != "assistant" and not keep_unanswered:
         after_system.pop()  # a question or a tool result with no answer gives the draft nothing to learn
     messages = system + after_system
     assistant_turns = [message for message in messages if message["role"] == "assistant"]
-    if not assistant_turns:
+    if not assistant_turns and not (keep_unanswered and after_system):
         raise SkippedRecord("no_assistant_turn")
     if not all(answered(message) for message in assistant_turns):
         raise SkippedRecord("empty_assistant_turn")

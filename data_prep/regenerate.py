@@ -88,9 +88,13 @@ def start_engine(target_path: str, cfg, device_index: int | None = None):
     return running_llm(settings, (device_index, 1))
 
 
+UNANSWERED = {"role": "assistant", "content": None}  # what was logged after a question kept unanswered
+
+
 def conversation_steps(messages: list[dict]) -> list[tuple[list[dict], dict]]:
     """Per assistant turn: the messages that come before it and after the answer before it (the system
-    message and a user turn, or the tool results it answers), and the logged answer."""
+    message and a user turn, or the tool results it answers), and the logged answer; a last question no
+    answer follows (`data.unanswered=answer`) is a turn too, whose logged answer is UNANSWERED."""
     steps, inputs = [], []
     for message in messages:
         if message["role"] == "assistant":
@@ -98,6 +102,8 @@ def conversation_steps(messages: list[dict]) -> list[tuple[list[dict], dict]]:
             inputs = []
         else:
             inputs.append(message)
+    if inputs and any(m["role"] in ("user", "tool") for m in inputs):
+        steps.append((inputs, UNANSWERED))
     return steps
 
 
@@ -219,7 +225,7 @@ def regenerate_conversations(
                     discard(output)
                     continue
                 logged = steps[i][turn][1]
-                if tool_calls_of(answer) != tool_calls_of(logged):
+                if logged is not UNANSWERED and tool_calls_of(answer) != tool_calls_of(logged):
                     counts["tool_call_diverged"] += 1
                     diverged[i] = True
                 elif answer.get("tool_calls"):  # the same calls: keep their ids, which the results name

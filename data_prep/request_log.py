@@ -12,6 +12,8 @@ in the later requests, as the server rendered them (a new sample where that rewr
 whole conversations has no such prefixes and is left as it was. Two records that share a history and then
 part (a retried step, a sampled branch) are both kept; the shared turns are trained in the first only
 (`weight` 0 in the other, OpenAI's fine-tuning field).
+A request logged without its response (`data.unanswered=answer`) is kept for regeneration to answer,
+unless another record holds the same messages followed by an answer: then it is merged as a prefix.
 
 Used by data_prep/sources.py (`data.merge_requests`, on by default); the manifest counts what it merged.
 """
@@ -28,18 +30,22 @@ from data_prep.render import SENT_WITHOUT_REASONING
 LENT = ("reasoning_content", "weight", "finish_reason", SENT_WITHOUT_REASONING)
 
 
-def turn_digests(conversation: Conversation) -> list[tuple[int, str]]:
+def turn_digests(conversation: Conversation) -> tuple[list[tuple[int, str]], list[str], str]:
     """(message index, digest of the conversation up to and including it) per assistant turn: equal for two
-    conversations that agree up to that turn, reasoning aside, with the same tools and template kwargs."""
+    conversations that agree up to that turn, reasoning aside, with the same tools and template kwargs; the
+    digests of the conversation up to just before each assistant turn (the questions it answers); and the
+    digest of the whole conversation."""
     digest = hashlib.sha256(canonical_json([conversation.tools, conversation.template_kwargs]))
-    found = []
+    found, asked = [], []
     for index, message in enumerate(conversation.messages):
+        if message["role"] == "assistant":
+            asked.append(digest.hexdigest())
         seen = {k: v for k, v in message.items() if k not in LENT}
-        seen["content"] = message["content"].strip()  # a parser's content may come back with other spacing
+        seen["content"] = (message["content"] or "").strip()  # a parser's content may differ in spacing
         digest.update(canonical_json(seen) + b"\n")
         if message["role"] == "assistant":
             found.append((index, digest.copy().hexdigest()))
-    return found
+    return found, asked, digest.hexdigest()
 
 
 def merge_requests(conversations: list[Conversation]) -> tuple[list[Conversation], dict]:
@@ -47,7 +53,8 @@ def merge_requests(conversations: list[Conversation]) -> tuple[list[Conversation
     records merged into a longer one), `shared_turns` (turns a kept record shares with an earlier-kept one,
     set to weight 0) and `reasoning_lent` (re-sent turns given the reasoning their own request logged)."""
     messages = [list(c.messages) for c in conversations]
-    digests = [turn_digests(c) for c in conversations]
+    digests, asked, whole = zip(*map(turn_digests, conversations)) if conversations else ((), (), ())
+    answered_elsewhere = {digest for questions in asked for digest in questions}
     owner: dict[str, tuple[int, int]] = {}  # turn digest -> (conversation, message) that trains it
     kept, counts = [], {"merged": 0, "shared_turns": 0, "reasoning_lent": 0}
     # Longest first, so that a loop's last request owns its turns; ties in reading order.
@@ -66,7 +73,9 @@ def merge_requests(conversations: list[Conversation]) -> tuple[list[Conversation
             if response.get("finish_reason") == "length":  # re-sent as cut: it is still no whole turn
                 messages[j][at] = {**resent, "finish_reason": "length"}
             messages[i][index] = {**messages[i][index], "weight": 0}
-        if new_turns:
+        # a last question no answer follows (data.unanswered=answer) is new unless another record answers it
+        open_question = messages[i][-1]["role"] != "assistant" and whole[i] not in answered_elsewhere
+        if new_turns or open_question:
             kept.append(i)
             counts["shared_turns"] += len(digests[i]) - new_turns
         else:

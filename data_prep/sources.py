@@ -166,7 +166,9 @@ def read_source(
         try:
             record = request_record(record)
             turns = extract_turns(record, entry)
-            messages = normalize_messages(turns, role_map, cfg.system_prompt, cfg.max_turns)
+            messages = normalize_messages(
+                turns, role_map, cfg.system_prompt, cfg.max_turns, entry.unanswered == "answer"
+            )
             tools = record_tools(record)
             template_kwargs = record_template_kwargs(record)
         except SkippedRecord as skip:

@@ -243,3 +243,72 @@ def test_a_head_records_the_temperature_of_its_answers(tmp_path):
     assert temperature_note("h", [0.0, 1.0], [0.0, 1.0]) is None
     note = temperature_note("h", [0.0], [0.0, 1.0])
     assert note.startswith("head h: served at temperature 1;") and "generated at 0" in note
+
+
+def test_a_question_the_data_leaves_unanswered_is_answered_by_the_target_and_trained(tmp_path):
+    """`data.unanswered=answer`: a prompt alone, or a conversation whose last question no answer follows,
+    is kept, and regeneration answers it: the target's answer is trained, after the whole history. A tool
+    call in that answer is the answer, not a divergence from a logged call. Without regeneration the setting
+    is refused."""
+    from types import SimpleNamespace
+
+    from artifacts.config import compose
+    from artifacts.smoke import build_tokenizer
+    from data_prep.regenerate import regenerate_conversations
+    from data_prep.sources import load_conversations
+
+    source = tmp_path / "prompts.jsonl"
+    records = [
+        {"id": "alone", "messages": [{"role": "user", "content": "explain this file"}]},
+        {
+            "id": "open",
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "and now?"},
+            ],
+        },  # fmt: skip
+    ]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    from artifacts.config import DataConfig
+
+    skipped = load_conversations(DataConfig(source=str(source)))
+    assert [c.id for c in skipped.conversations] == ["open"] and skipped.skipped["no_assistant_turn"] == 1
+    assert [m["role"] for m in skipped.conversations[0].messages] == ["user", "assistant"]  # as before
+    records.append({"id": "asked", "messages": records[1]["messages"][:1]})  # answered in "open": merged
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = load_conversations(DataConfig(source=str(source), unanswered="answer"))
+    assert loaded.merged["merged"] == 1
+    assert [[m["role"] for m in c.messages] for c in loaded.conversations] == [
+        ["user"],
+        ["user", "assistant", "user"],
+    ]
+
+    tokenizer = build_tokenizer()
+    answer_ids = tokenizer("the answer", add_special_tokens=False)["input_ids"]
+
+    class Engine:  # vLLM's LLM as regeneration uses it: one answer to every prompt
+        llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))
+
+        def generate(self, prompts, params, use_tqdm=False):
+            done = SimpleNamespace(text="the answer", finish_reason="stop", token_ids=answer_ids)
+            return [SimpleNamespace(outputs=[done]) for _ in prompts]
+
+    samples = []
+    cfg = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=8)
+    new, counts = regenerate_conversations(
+        Engine(), tokenizer, loaded.conversations, cfg, sink=samples.append
+    )
+    assert [[m["content"] for m in c.messages if m["role"] == "assistant"] for c in new] == [
+        ["the answer"], ["the answer", "the answer"]
+    ]  # fmt: skip
+    assert counts["finish_stop"] == 3 and not counts["tool_call_diverged"]
+    for sample in samples:  # the last answer generated, trained
+        ids, mask = sample["input_ids"], sample["loss_mask"]
+        assert ids[-len(answer_ids) :] == answer_ids and mask[-len(answer_ids) :] == [1] * len(answer_ids)
+    assert sum(samples[1]["loss_mask"]) == 2 * len(answer_ids)  # both of the open conversation's answers
+
+    cfg = compose("config", ["experiment=smoke", "run_dir=/tmp/x", f"data.source={source}",
+                             "data.unanswered=answer"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"data.unanswered.*regen.enabled=true"):
+        check_config(cfg)

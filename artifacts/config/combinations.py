@@ -216,6 +216,17 @@ def check_combinations(cfg: DictConfig) -> None:
         )
     check_data(cfg.data)
     check_regen(cfg.regen)
+    entries = (
+        [(f"data.mix[{i}]", e) for i, e in enumerate(cfg.data.mix)] if cfg.data.mix else [("data", cfg.data)]
+    )
+    for where, entry in entries:
+        if entry.unanswered == "answer" and not cfg.regen.enabled:
+            refuse(
+                f"{where}.unanswered",
+                "answer",
+                "skip without regeneration: only the target can answer a question the data leaves unanswered "
+                "(regen.enabled=true)",
+            )
     for key, entries in (("eval.heads", cfg.eval.heads), ("eval.workloads", cfg.eval.workloads)):
         names = [entry.name for entry in entries]
         if len(set(names)) != len(names):

@@ -1,6 +1,6 @@
 """The OmegaConf resolvers the YAML under `conf/` uses, registered once when this module is imported
-(`import artifacts.config` does): `${smoke_data:..}`, `${sharegpt_json:}` and `${agent_data:num,seed}`
-(the embedded data, artifacts/agent_data.py),
+(`import artifacts.config` does): `${smoke_data:..}`, `${sharegpt_json:}`, `${agent_data:num,seed}`
+and `${long_data:num}` (the embedded data, artifacts/agent_data.py and artifacts/long_data.py),
 `${machine_dtype:..}` and `${machine_precision:..}` (half precision only where this machine computes it)
 and `${plus_one:..}` (head.block_size's default).
 """
@@ -68,8 +68,15 @@ def _agent_data(num, seed, layout="conversations") -> str:
     return agent_data_path(num, seed, layout)
 
 
+def _long_data(num, kind="mixed") -> str:
+    from artifacts.long_data import long_data_path
+
+    return long_data_path(num, kind)
+
+
 OmegaConf.register_new_resolver("smoke_data", _package_file, replace=True)
 OmegaConf.register_new_resolver("agent_data", _agent_data, replace=True)
+OmegaConf.register_new_resolver("long_data", _long_data, replace=True)
 OmegaConf.register_new_resolver("chat_template", _chat_template, replace=True)
 OmegaConf.register_new_resolver("sharegpt_json", _sharegpt_json, replace=True)
 OmegaConf.register_new_resolver("machine_dtype", machine_dtype, replace=True)

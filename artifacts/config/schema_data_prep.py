@@ -57,6 +57,10 @@ class DataSourceConfig:
     id_field: str | None = "id"  # record id key; records without one get a hash of their content
     # use only the first N valid conversations of this source (None: all)
     num_samples: int | None = checked(None, optional(POSITIVE))
+    # a last user turn (or tool results) no answer follows - a request logged without its response, a prompt
+    # alone: skip | answer (kept for regeneration to answer: the target's answer is the one trained;
+    # regen.enabled only)
+    unanswered: str = checked("skip", one_of("skip", "answer"))
 
 
 @dataclass
@@ -82,6 +86,10 @@ class DataConfig:
     # keep only the first N question/answer exchanges of each (None: all)
     max_turns: int | None = checked(None, optional(POSITIVE))
     match: str | None = None  # keep only conversations whose first user turn matches this regex (re.search)
+    # a last user turn (or tool results) no answer follows - a request logged without its response, a prompt
+    # alone: skip | answer (kept for regeneration to answer: the target's answer is the one trained;
+    # regen.enabled only)
+    unanswered: str = checked("skip", one_of("skip", "answer"))
     # fraction held out for evaluation, chosen by a hash of the conversation id
     eval_fraction: float = checked(0.05, within(0, 1, high_closed=False))
     strict: bool = False  # raise on a corrupt or truncated file instead of using its complete records
