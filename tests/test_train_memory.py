@@ -48,12 +48,14 @@ def test_a_moe_target_counts_every_expert_and_online_training_is_refused_where_i
     assert target_weights_bytes(tiny, 1) == sum(p.numel() for p in Qwen3MoeForCausalLM(tiny).parameters())
     draft, _, _ = build_head(cfg, target_config, "eagle3", "meta")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=H100))
-    check_step_fits(cfg, fake_accelerator(), draft, target_config, 4096)  # cached, as the recipe trains
+    length = cfg.render.max_length
+    assert length == 16384  # agent traffic (the recipe's comment gives the model's numbers)
+    check_step_fits(cfg, fake_accelerator(), draft, target_config, length)  # cached, as the recipe trains
     cfg.train.features = "online"
     with pytest.raises(
         ValueError, match=r"online_target 61.*set (train.batch_size=1 .*, or )?train.features=cache"
     ):
-        check_step_fits(cfg, fake_accelerator(), draft, target_config, 4096)
+        check_step_fits(cfg, fake_accelerator(), draft, target_config, length)
 
 
 def fake_accelerator(device="cuda:0"):
