@@ -48,12 +48,12 @@ PART = re.compile(r"^(?P<base>.+)_(?P<part>\d+)$")
 
 
 def sharegpt_records() -> Iterator[dict]:
-    """The shipped ShareGPT file's complete records, in file order."""
+    """The shipped ShareGPT file's complete records, in file order (the file is cut off: its last record
+    is left out, as data_prep leaves it out)."""
     from artifacts.assets import sharegpt_json_path
-    from artifacts.config import DataConfig
-    from data_prep.records import read_records
+    from artifacts.record_files import read_file
 
-    yield from read_records(DataConfig(source=str(sharegpt_json_path()), format="sharegpt"), lambda _: None)
+    yield from read_file(str(sharegpt_json_path()), ("conversations",), lambda _: None)
 
 
 def join_parts(parts: list[dict]) -> dict:
@@ -118,11 +118,18 @@ def code_conversations(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[dict]
         }
 
 
-def openai_record(record: dict) -> dict:
-    """A ShareGPT record as an OpenAI-style one (the file holds one format)."""
-    from artifacts.prompts import record_messages
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 
-    return {"id": record["id"], "messages": record_messages(record)}
+
+def openai_record(record: dict) -> dict:
+    """A ShareGPT record as an OpenAI-style one (the file holds one format); ValueError for a turn of
+    another speaker or without text, which data_prep would skip too."""
+    messages = []
+    for turn in record["conversations"]:
+        if turn.get("from") not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise ValueError(f"{record['id']}: a turn data_prep would not read: {str(turn)[:80]}")
+        messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+    return {"id": record["id"], "messages": messages}
 
 
 KINDS = ("mixed", "chat", "code")

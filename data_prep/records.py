@@ -18,7 +18,7 @@ from typing import Any
 import datasets
 
 from artifacts.config import DataConfig, DataSourceConfig
-from data_prep.record_files import ProblemReporter, read_file
+from artifacts.record_files import ProblemReporter, read_file
 
 logger = logging.getLogger(__name__)
 

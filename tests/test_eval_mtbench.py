@@ -77,6 +77,18 @@ def test_the_second_turn_holds_the_first_question_the_answer_and_the_second_ques
     assert text.startswith(tokenizer.decode(conversation.prompt([])).removesuffix("<|im_start|>assistant\n"))
 
 
+def spec_metrics(accepted: int, k: int = 3) -> dict:
+    """vLLM 0.32's per-request `metrics.speculative_decoding` of a request whose verify steps accepted
+    `accepted` drafts in all, each as many as it could (`acceptance_histogram[j]`: steps accepting j)."""
+    steps = max(2, -(-accepted // k))
+    histogram, left = [0] * (k + 1), accepted
+    for _ in range(steps):
+        histogram[min(k, left)] += 1
+        left -= min(k, left)
+    return {"num_spec_steps": steps, "num_draft_tokens": k * steps, "num_accepted_draft_tokens": accepted,
+            "acceptance_histogram": histogram}  # fmt: skip
+
+
 class FakeServer:
     """/v1/completions streaming `Answer <n>.` to request n (in 3 chunks, a pause before the last) and
     HTTP 500 to a prompt holding `please fail`, a complete stream without text to one holding `say nothing`
@@ -104,9 +116,11 @@ class FakeServer:
             if piece == ".":
                 self.events.append(("answered", n))  # before the client can have read the answer
             await response.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
-        usage = {"choices": [], "usage": {"completion_tokens": 1 if silent else 3, "prompt_tokens": len(payload["prompt"])},
-                 "metrics": {"speculative_decoding": {"num_spec_steps": 2, "num_accepted_draft_tokens": n,
-                                                      "num_draft_tokens": 6}}}  # fmt: skip
+        usage = {
+            "choices": [],
+            "usage": {"completion_tokens": 1 if silent else 3, "prompt_tokens": len(payload["prompt"])},
+            "metrics": {"speculative_decoding": spec_metrics(n)},
+        }
         await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         await response.write_eof()
         return response

@@ -2,7 +2,7 @@
 
 Real dumps ship cut off (the ShareGPT V3 file on PyPI ends mid-string): a truncated JSON array keeps its
 complete elements, a corrupt JSONL line is skipped, and each problem is reported with the file and the
-byte offset or line number. Used by `data_prep/records.py`.
+byte offset or line number. Used by `data_prep/records.py` and `artifacts/long_data.py`.
 """
 
 from __future__ import annotations
