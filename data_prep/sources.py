@@ -30,7 +30,14 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 
-from artifacts.config import RECORD_FORMATS, DataConfig, DataSourceConfig, check_data, field_errors
+from artifacts.config import (
+    RECORD_FORMATS,
+    DataConfig,
+    DataSourceConfig,
+    check_data,
+    field_errors,
+    source_entries,
+)
 from artifacts.conversation import (
     Conversation,
     SkippedRecord,
@@ -91,7 +98,7 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
     problems: list[str] = []
     ids = UniqueIds()
     seen: set[str] = set()  # content digests of the conversations kept so far, across every source
-    for where, entry in sources_to_read(cfg):
+    for where, entry in source_entries(cfg):
         id_prefix = f"{entry.name}/" if cfg.mix else ""
         found, found_skipped, found_problems = read_source(entry, where, id_prefix, cfg, ids, seen)
         if cfg.merge_requests:
@@ -119,13 +126,6 @@ def load_conversations(cfg: DataConfig) -> LoadedConversations:
     )
     fingerprint = fingerprint_conversations(conversations)
     return LoadedConversations(conversations, skipped, problems, fingerprint, merged)
-
-
-def sources_to_read(cfg: DataConfig) -> list[tuple[str, DataConfig | DataSourceConfig]]:
-    """(name in messages, settings) per source: `data` itself, or each `data.mix[i]` in order."""
-    if not cfg.mix:
-        return [("data", cfg)]
-    return [(f"data.mix[{index}]", entry) for index, entry in enumerate(cfg.mix)]
 
 
 def describe_sources(cfg: DataConfig) -> str:

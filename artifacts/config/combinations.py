@@ -13,6 +13,13 @@ from artifacts.config.checks import refuse
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def source_entries(data) -> list:
+    """(name in messages, settings) per source: `data` itself, or each `data.mix[i]` in order."""
+    if not data.mix:
+        return [("data", data)]
+    return [(f"data.mix[{index}]", entry) for index, entry in enumerate(data.mix)]
+
+
 def check_data(data) -> None:
     """`data.*` (composed, or a DataConfig given to data_prep's reader): the sources wrong together."""
     import re
@@ -36,10 +43,7 @@ def check_data(data) -> None:
                     repr(name),
                     f"non-empty and unique across the mix (it prefixes that source's conversation ids); names: {names}",
                 )
-    entries = (
-        [(f"data.mix[{i}]", entry) for i, entry in enumerate(data.mix)] if data.mix else [("data", data)]
-    )
-    for where, entry in entries:
+    for where, entry in source_entries(data):
         if not entry.source or entry.source == MISSING:
             refuse(
                 f"{where}.source",
@@ -216,10 +220,7 @@ def check_combinations(cfg: DictConfig) -> None:
         )
     check_data(cfg.data)
     check_regen(cfg.regen)
-    entries = (
-        [(f"data.mix[{i}]", e) for i, e in enumerate(cfg.data.mix)] if cfg.data.mix else [("data", cfg.data)]
-    )
-    for where, entry in entries:
+    for where, entry in source_entries(cfg.data):
         if entry.unanswered == "answer" and not cfg.regen.enabled:
             refuse(
                 f"{where}.unanswered",
