@@ -84,17 +84,17 @@ def attention(
     j = 0 if extra_k_BGTJD is None else extra_k_BGTJD.shape[3]
     chunk = max(1, SCORE_BUDGET_BYTES // (4 * b * n * (s + j)))
     if chunk >= t:
-        return dense_attention(
+        return dense_attention(*visible_keys(
             q_BNTD, k_BGSD, v_BGSD, query_positions_BT, extra_k_BGTJD, extra_v_BGTJD, extra_visible_BTJ,
             query_starts_BT,
-        )  # fmt: skip
+        ))  # fmt: skip
     keep_graph = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q_BNTD, k_BGSD, v_BGSD, extra_k_BGTJD, extra_v_BGTJD)
     )
     outs = []
     for start in range(0, t, chunk):
         rows = slice(start, start + chunk)
-        inputs = (
+        inputs = visible_keys(
             q_BNTD[:, :, rows],
             k_BGSD,
             v_BGSD,
@@ -109,6 +109,28 @@ def attention(
         else:
             outs.append(dense_attention(*inputs))
     return torch.cat(outs, dim=2)
+
+
+def visible_keys(
+    q_BNTD: Tensor,
+    k_BGSD: Tensor,
+    v_BGSD: Tensor,
+    query_positions_BT: Tensor,
+    extra_k_BGTJD: Tensor | None,
+    extra_v_BGTJD: Tensor | None,
+    extra_visible_BTJ: Tensor | None,
+    query_starts_BT: Tensor | None,
+) -> tuple:
+    """`dense_attention`'s inputs cut to the keys some query sees: from the earliest query's first visible
+    key (its document's or window's start) to the latest query's position. Positions and starts are then
+    counted from that cut. A causal pass computes about half its scores this way, and a packed row only
+    its documents' blocks."""
+    first = 0 if query_starts_BT is None else int(query_starts_BT.min())
+    last = int(query_positions_BT.max()) + 1
+    return (
+        q_BNTD, k_BGSD[:, :, first:last], v_BGSD[:, :, first:last], query_positions_BT - first, extra_k_BGTJD,
+        extra_v_BGTJD, extra_visible_BTJ, None if query_starts_BT is None else query_starts_BT - first,
+    )  # fmt: skip
 
 
 def dense_attention(
@@ -242,15 +264,21 @@ class LayerKV:
         window: int | None = None,
     ) -> Tensor:
         """Add this call's keys (to the sequence, or as the next step) and attend over what is kept; with a
-        sliding `window`, each query sees only the keys of its last `window` positions (its own included)."""
+        sliding `window`, each query sees only the keys of its last `window` positions (its own included).
+        On the sequence's call, `anchors_BM` places the queries (those of some rows only, at the last layer:
+        `DecoderLayer.forward`); on a step's, it names the anchors."""
         if self.k_BGSD is None or not self.steps:
             k_BGSD, v_BGSD = self.append(k_BGTD, v_BGTD)
             t, s = q_BNTD.shape[2], k_BGSD.shape[2]
-            starts_BT = self.query_starts(t, None)
+            starts_BT = self.query_starts(t, anchors_BM)
             if window is not None:
-                rows_BT = torch.arange(s - t, s, device=q_BNTD.device).expand(q_BNTD.shape[0], t)
+                rows_BT = (
+                    anchors_BM
+                    if anchors_BM is not None
+                    else torch.arange(s - t, s, device=q_BNTD.device).expand(q_BNTD.shape[0], t)
+                )
                 starts_BT = later(starts_BT, window_starts(rows_BT, window))
-            return attention(q_BNTD, k_BGSD, v_BGSD, query_starts_BT=starts_BT)
+            return attention(q_BNTD, k_BGSD, v_BGSD, anchors_BM, query_starts_BT=starts_BT)
         # A drafting step: its query at anchor t sees the sequence up to t and the steps so far at t.
         self.step_k.append(k_BGTD)
         self.step_v.append(v_BGTD)
@@ -422,11 +450,13 @@ def attend(
     window: int | None = None,
 ) -> Tensor:
     """A decoder layer's attention: plain causal over these positions, or through its cache; with a sliding
-    `window` (head.sliding_window), over each query's last `window` positions only."""
-    if kv is None and window is None:
+    `window` (head.sliding_window), over each query's last `window` positions only. Without a cache,
+    `anchors_BM` are the rows of the queries (keys at every row)."""
+    if kv is None and window is None and anchors_BM is None:
         return causal_attention(q_BNTD, k_BGTD, v_BGTD)
     if kv is None:
         b, _, t, _ = q_BNTD.shape
-        rows_BT = torch.arange(t, device=q_BNTD.device).expand(b, t)
-        return attention(q_BNTD, k_BGTD, v_BGTD, query_starts_BT=window_starts(rows_BT, window))
+        rows_BT = torch.arange(t, device=q_BNTD.device).expand(b, t) if anchors_BM is None else anchors_BM
+        starts_BT = None if window is None else window_starts(rows_BT, window)
+        return attention(q_BNTD, k_BGTD, v_BGTD, anchors_BM, query_starts_BT=starts_BT)
     return kv.attend(q_BNTD, k_BGTD, v_BGTD, anchors_BM, window)

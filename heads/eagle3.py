@@ -138,14 +138,17 @@ class Eagle3Draft(DraftModel):
         positions_BT: Tensor,
         cache: KVCache | None = None,
         anchors_BM: Tensor | None = None,
+        outputs_BM: Tensor | None = None,
     ) -> Tensor:
-        """One drafting step over T positions: the last layer's pre-norm output [B, T, H].
+        """One drafting step over T positions: the last layer's pre-norm output [B, T, H] (or [B, M, H] at
+        the rows `outputs_BM` only: training, where only some rows have a loss; keys at every row).
 
         Position t reads the embedding of `input_ids_BT[t]` beside `hidden_BTH[t]` at RoPE position
         `positions_BT[t]`. Without a cache, one causal pass (vLLM's prefill); with one, the keys it holds
         (heads/attention.py: decoding, or training-time test's steps at `anchors_BM`) are seen too.
         """
-        return self.run_layers((self.embed(input_ids_BT), hidden_BTH), positions_BT, cache, anchors_BM)
+        inputs = (self.embed(input_ids_BT), hidden_BTH)
+        return self.run_layers(inputs, positions_BT, cache, anchors_BM, outputs_BM)
 
     def carry(self, out_BTH: torch.Tensor) -> torch.Tensor:
         """What a chain's next draft step reads as its hidden state: the pre-norm output, or with

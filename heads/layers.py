@@ -166,9 +166,22 @@ class DecoderLayer(nn.Module):
         hidden_BTH = self.self_attn.output(attn_BNTD) + residual_BTH
         return hidden_BTH + self.mlp(self.post_attention_layernorm(hidden_BTH))
 
-    def forward(self, *inputs: Tensor, kv: LayerKV | None = None, anchors_BM: Tensor | None = None) -> Tensor:
-        """`project(*inputs)`, the one attention (through `kv` when given), `finish`."""
+    def forward(
+        self,
+        *inputs: Tensor,
+        kv: LayerKV | None = None,
+        anchors_BM: Tensor | None = None,
+        outputs_BM: Tensor | None = None,
+    ) -> Tensor:
+        """`project(*inputs)`, the one attention (through `kv` when given), `finish`. With `outputs_BM`, the
+        inputs are at every row but only those rows' outputs are computed [B, M, H]: keys and values at
+        every row, queries, attention and MLP at M (the last layer, where only some rows have a loss)."""
         q_BNTD, k_BGTD, v_BGTD, residual_BTH = self.project(*inputs)
+        if outputs_BM is not None:
+            b, n, _, d = q_BNTD.shape
+            q_BNTD = q_BNTD.gather(2, outputs_BM[:, None, :, None].expand(b, n, -1, d))
+            residual_BTH = residual_BTH.gather(1, outputs_BM[..., None].expand(-1, -1, residual_BTH.shape[2]))
+            anchors_BM = outputs_BM
         return self.finish(attend(q_BNTD, k_BGTD, v_BGTD, kv, anchors_BM, self.window), residual_BTH)
 
 
@@ -217,15 +230,24 @@ class DraftModel(nn.Module):
         return rope_cos_sin(self.inv_freq, positions_BT)
 
     def run_layers(
-        self, first_inputs: tuple[Tensor, ...], positions_BT: Tensor, cache, anchors_BM: Tensor | None
+        self,
+        first_inputs: tuple[Tensor, ...],
+        positions_BT: Tensor,
+        cache,
+        anchors_BM: Tensor | None,
+        outputs_BM: Tensor | None = None,
     ) -> Tensor:
         """Layer 0 on `first_inputs`, every later layer on its predecessor's output: the last pre-norm
-        output. `cache` (a heads.attention.KVCache, or None: plain causal) keeps each layer's keys."""
+        output, at every position or only at the rows `outputs_BM` (the last layer's queries; every earlier
+        layer's output is a later one's keys). `cache` (a heads.attention.KVCache, or None: plain causal)
+        keeps each layer's keys."""
         cos_BTD, sin_BTD = self.rope(positions_BT)
         kvs = cache.layers if cache is not None else [None] * len(self.layers)
-        out_BTH = self.layers[0](*first_inputs, cos_BTD, sin_BTD, kv=kvs[0], anchors_BM=anchors_BM)
-        for layer, kv in zip(self.layers[1:], kvs[1:]):
-            out_BTH = layer(out_BTH, cos_BTD, sin_BTD, kv=kv, anchors_BM=anchors_BM)
+        out_BTH, *later = first_inputs
+        for i, (layer, kv) in enumerate(zip(self.layers, kvs)):
+            last = outputs_BM if i == len(self.layers) - 1 else None
+            inputs = (out_BTH, *later) if i == 0 else (out_BTH,)
+            out_BTH = layer(*inputs, cos_BTD, sin_BTD, kv=kv, anchors_BM=anchors_BM, outputs_BM=last)
         return out_BTH
 
 

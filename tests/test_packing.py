@@ -10,7 +10,7 @@ from heads.eagle1 import Eagle1Config, Eagle1Draft
 from tests.helpers import random_draft, tiny_head_config
 from train import losses
 from train.data import collate, plan_epoch
-from train.objectives import parse_objective
+from train.objectives import KL, parse_objective
 
 LENGTHS = [9, 5, 12, 7, 3, 10]
 PER_ROW = [2, 3, 1]  # rows of 14, 22 and 10 tokens
@@ -197,3 +197,64 @@ def test_flex_attention_equals_the_chunked_attention(kind, packed, monkeypatch):
     assert metrics_f.keys() == metrics_c.keys()
     for name, value in metrics_c.items():
         torch.testing.assert_close(metrics_f[name].float(), value.float(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window"])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("kind,cod", [("eagle3", None), ("peagle", None), ("peagle", 0.6)])
+@pytest.mark.parametrize("packed", [False, True], ids=["alone", "packed"])
+@pytest.mark.parametrize("prompts", ["long", "short"])
+def test_the_last_layer_at_trained_rows_only_trains_as_every_row(kind, cod, layers, window, packed, prompts):
+    """The last layer's queries only at the rows some depth trains (keys at every row; long prompts, or
+    packed, or windowed), or at every row through the fused kernel and then taken there (short prompts one
+    a row), give the loss, every metric and every gradient of the same forward at all rows."""
+    extra = {"mask_token_id": 3} if kind == "peagle" else {}
+    config = tiny_head_config(aux_layer_ids=[1, 2], num_hidden_layers=layers, sliding_window=window, **extra)
+    model = random_draft(config)
+    g = torch.Generator().manual_seed(4)
+    data = []
+    lengths = {"long": [(40, 34), (11, 6), (16, 12), (9, 5)], "short": [(20, 3), (11, 2), (16, 4), (9, 2)]}
+    for n, prompt in lengths[prompts]:
+        data.append({
+            "input_ids": torch.randint(0, config.vocab_size, (n,), generator=g),
+            "loss_mask": torch.arange(n) >= prompt,
+            "aux_hidden": torch.randn(n, 2, config.hidden_size, generator=g),
+            "final_hidden": torch.randn(n, config.hidden_size, generator=g),
+        })  # fmt: skip
+    batch = collate(data, "cpu", seeds=[1, 2, 3, 4], per_row=[2, 2] if packed else None)
+    lm_head, d2t = torch.randn(config.vocab_size, config.hidden_size, generator=g), torch.arange(24)
+    starts, ids, aux = batch.get("doc_starts"), batch["input_ids"], batch["aux_hidden"]
+    if cod is None:
+        anchors = [None] * 3
+    else:
+        anchors = losses.cod_anchors(batch, 3, cod, losses.sample_generators(batch))
+
+    def trained(_):
+        if kind == "eagle3":
+            return losses.ttt_loss(model, batch, 3, 0.8, lm_head, d2t, 5)
+        return losses.parallel_loss(model, batch, 3, 0.8, lm_head, d2t, 5, anchors=anchors)
+
+    def every_row(_):  # the same forward, the last layer's outputs at all T rows
+        if kind == "eagle3":
+            outs = losses.ttt_rollout(model, ids, aux, 3, starts)
+        else:
+            outs = losses.parallel_forward(model, ids, aux, anchors, starts)
+        teacher = losses.batch_teacher(batch, lm_head, d2t, 5)
+        return losses.depth_losses(model, KL, outs, batch, teacher, [1, 0.8, 0.64], None, anchors)
+
+    anchored = losses.sequence_outputs(model, batch, losses.prediction_anchors(batch, range(3))) is not None
+    assert anchored == (prompts == "long" or packed or window is not None)
+    total_a, metrics_a, grads_a = loss_and_grads(model, trained, batch)
+    total_r, metrics_r, grads_r = loss_and_grads(model, every_row, batch)
+    assert float(metrics_r["num_pred_2"]) >= 5  # something is trained at the last depth
+    torch.testing.assert_close(total_a, total_r, rtol=1e-5, atol=1e-6)
+    assert metrics_a.keys() == metrics_r.keys()
+    for name in metrics_r:
+        torch.testing.assert_close(
+            metrics_a[name].float(), metrics_r[name].float(), rtol=1e-5, atol=1e-6, msg=name
+        )
+    assert grads_a.keys() == grads_r.keys()
+    for name, grad in grads_r.items():
+        torch.testing.assert_close(
+            grads_a[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name
+        )

@@ -73,8 +73,8 @@ def head_layer_calls(
     b, t = batch_size, seq_len
     if head.kind == "eagle1":
         return b * t, 0
-    if head.kind == "eagle3":
-        return b * t * head.num_ttt_steps, 0
+    if head.kind == "eagle3":  # step 0 over the sequence, the later steps at the rows some step trains
+        return b * (t + min(t, num_answer) * (head.num_ttt_steps - 1)), 0
     if head.kind == "peagle":
         return b * (t + sum(depth_anchors(head, t, num_answer))) * head.num_layers, 0
     blocks = b * block_anchors(head, num_answer, packed) * head.block_size
@@ -85,11 +85,16 @@ def scored_calls(head, seq_len: int, num_answer: int, packed: bool = False) -> l
     """(queries, keys) per row of each decoder-layer call that goes through `attention`'s scores rather than
     the fused causal kernel (heads/attention.py): TTT's later steps and P-EAGLE's depths with their extra
     keys, DFlash's blocks over the context and their own keys; every call of a packed row. Each layer makes
-    the same calls."""
+    the same calls. TTT's steps and P-EAGLE's first depth query the rows some depth trains; so does their
+    call over the sequence where it does not take the fused kernel (train/losses/positions.py
+    `sequence_outputs`: packed rows, a sliding window, or at most a quarter of the rows trained)."""
     t = seq_len
     plain = [(t, t)] if packed else []
+    m = min(t, num_answer)
+    if head.kind in ("eagle3", "peagle") and (packed or head.sliding_window is not None or 4 * m <= t):
+        plain = [(m, t)]
     if head.kind == "eagle3":
-        return plain + [(t, t + k) for k in range(1, head.num_ttt_steps)]
+        return plain + [(m, t + k) for k in range(1, head.num_ttt_steps)]
     if head.kind == "peagle":
         return plain + [(m, t + d) for d, m in enumerate(depth_anchors(head, t, num_answer), start=1)]
     if head.kind == "dflash":

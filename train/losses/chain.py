@@ -20,7 +20,7 @@ from torch import Tensor
 
 from heads.attention import KVCache, document_positions
 from heads.eagle3 import Eagle3Draft
-from train.losses.positions import Dpace, depth_losses, depth_weights
+from train.losses.positions import Dpace, depth_losses, depth_weights, prediction_anchors, sequence_outputs
 from train.losses.rows import batch_teacher, shift_left
 from train.objectives import KL, Objective
 
@@ -31,10 +31,14 @@ def ttt_rollout(
     aux_BTAH: Tensor,
     num_steps: int,
     starts_BT: Tensor | None = None,
+    anchors_BM: Tensor | None = None,
+    outputs_BM: Tensor | None = None,
 ) -> list[Tensor]:
     """Pre-norm outputs [B, T, H] of steps 0..K-1, teacher-forced (step k reads x_{t+1+k}): one call of the
     head's forward per step, the cache holding the earlier steps' keys at each position; in rows packed
-    at `starts_BT`, each position sees and is placed in its own document only."""
+    at `starts_BT`, each position sees and is placed in its own document only. With `anchors_BM`, the
+    outputs are [B, M, H] at those rows only (`prediction_anchors`); step 0's keys are still every row's,
+    its outputs computed at `outputs_BM` (the anchors) or at every row then taken at the anchors."""
     if starts_BT is None:
         positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
     else:
@@ -45,7 +49,16 @@ def ttt_rollout(
     for step in range(num_steps):
         # Token ids past the end are a placeholder (0): those positions are never valid for the loss.
         # Step k's token sits k places after step 0's: RoPE position t + k, as when vLLM drafts a chain.
-        out_BTH = model(shift_left(input_ids_BT, 1 + step), hidden_BTH, positions_BT + step, cache)
+        ids_BT, rope_BT = shift_left(input_ids_BT, 1 + step), positions_BT + step
+        if step == 0:  # the sequence: inputs and keys at every row
+            out_BTH = model(ids_BT, hidden_BTH, rope_BT, cache, outputs_BM=outputs_BM)
+            if anchors_BM is not None and outputs_BM is None:
+                out_BTH = out_BTH.gather(1, anchors_BM[..., None].expand(-1, -1, out_BTH.shape[2]))
+        elif anchors_BM is None:
+            out_BTH = model(ids_BT, hidden_BTH, rope_BT, cache)
+        else:
+            ids_BM, rope_BM = ids_BT.gather(1, anchors_BM), rope_BT.gather(1, anchors_BM)
+            out_BTH = model(ids_BM, hidden_BTH, rope_BM, cache, anchors_BM)
         outs.append(out_BTH)
         # Fed back (post-norm with norm_output) without detaching: later steps' gradients reach earlier ones.
         hidden_BTH = model.carry(out_BTH)
@@ -79,5 +92,12 @@ def ttt_loss(
         raise ValueError(f"num_steps={num_steps}: TTT needs at least one step")
     weights = depth_weights(gamma, num_steps)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
-    outs = ttt_rollout(model, batch["input_ids"], batch["aux_hidden"], num_steps, batch.get("doc_starts"))
-    return depth_losses(model, objective, outs, batch, teacher, weights, denominators, dpace=dpace)
+    # Every step at the anchors some step trains: a long prompt's rows give step 0's keys, nothing more.
+    anchors = prediction_anchors(batch, range(num_steps))
+    outs = ttt_rollout(
+        model, batch["input_ids"], batch["aux_hidden"], num_steps, batch.get("doc_starts"), anchors.index_BM,
+        sequence_outputs(model, batch, anchors),
+    )  # fmt: skip
+    return depth_losses(
+        model, objective, outs, batch, teacher, weights, denominators, [anchors] * num_steps, dpace
+    )

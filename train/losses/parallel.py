@@ -28,7 +28,9 @@ from train.losses.positions import (
     depth_weights,
     documents,
     kept_first,
+    prediction_anchors,
     row_anchors,
+    sequence_outputs,
     wanted_first,
 )
 from train.losses.rows import batch_teacher, same_document, shift_left
@@ -75,19 +77,25 @@ def parallel_forward(
     aux_BTAH: Tensor,
     anchors: list[Anchors | None],
     starts_BT: Tensor | None = None,
+    outputs_BM: Tensor | None = None,
 ) -> list[Tensor]:
-    """The last layer's pre-norm outputs per depth: depth 0 [B, T, H]; depth d >= 1 [B, M_d, H] at
-    anchors[d].index_BM (nested; None: all T positions). One call of the head's forward per depth; the cache
+    """The last layer's pre-norm outputs per depth, [B, M_d, H] at anchors[d].index_BM ([B, T, H] where
+    None: all T positions; depth 0's keys are every row's whatever its anchors; depth d >= 1's nested). One call of the head's forward per depth; the cache
     gives depth d the real keys up to its anchor (of its document, in rows packed at `starts_BT`) and the
-    slots of depths 1..d there."""
+    slots of depths 1..d there. Depth 0's outputs are computed at `outputs_BM` (its anchors) or at every
+    row, then taken at its anchors."""
     b, t = input_ids_BT.shape
     positions_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
     rope_BT = positions_BT if starts_BT is None else document_positions(starts_BT)
     index = [a.index_BM if a is not None else positions_BT for a in anchors]
     cache = KVCache(len(model.layers), steps=True, starts_BS=starts_BT)
-    # Depth 0 is EAGLE-3's step 0 (the next token beside the aux states).
+    # Depth 0 is EAGLE-3's step 0 (the next token beside the aux states): keys at every row, outputs at
+    # its anchors (or every row).
     hidden_BTH = model.target_hidden(aux_BTAH)
-    outs = [model(shift_left(input_ids_BT, 1), hidden_BTH, rope_BT, cache, index[0])]
+    out_BTH = model(shift_left(input_ids_BT, 1), hidden_BTH, rope_BT, cache, outputs_BM=outputs_BM)
+    if anchors[0] is not None and outputs_BM is None:
+        out_BTH = out_BTH.gather(1, index[0][..., None].expand(-1, -1, out_BTH.shape[2]))
+    outs = [out_BTH]
     # Mask slots share one token and one hidden state; depth d of anchor t sits at position t + d.
     mask_hidden_11H = model.mask_state()
     for d in range(1, len(anchors)):
@@ -117,8 +125,16 @@ def parallel_loss(
         raise ValueError(f"num_depths={num_depths}: parallel drafting needs at least one depth")
     if not model.config.parallel_drafting:
         raise ValueError("parallel_loss needs a head with a mask_token_id (head.kind=peagle)")
-    anchors = anchors or [None] * num_depths
+    anchors = list(anchors or [None] * num_depths)
+    # Outputs only where a depth trains: depth 0 at its predictions, and without COD the later depths at
+    # theirs (one set for all, nested as the steps' keys need); a long prompt's rows give keys only.
+    anchors[0] = prediction_anchors(batch, range(1))
+    if num_depths > 1 and anchors[1] is None:
+        anchors[1:] = [prediction_anchors(batch, range(1, num_depths))] * (num_depths - 1)
     weights = depth_weights(gamma, num_depths)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
-    outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors, batch.get("doc_starts"))
+    outs = parallel_forward(
+        model, batch["input_ids"], batch["aux_hidden"], anchors, batch.get("doc_starts"),
+        sequence_outputs(model, batch, anchors[0]),
+    )  # fmt: skip
     return depth_losses(model, objective, outs, batch, teacher, weights, denominators, anchors, dpace)
