@@ -95,6 +95,10 @@ smoke: setup
 	$(PY) eval/main.py experiment=smoke_regen run_dir=$(RUN_DIR)
 
 bench: setup
+	# Measured afresh: the tools refuse an --out that exists, so this target's own results of an earlier run go.
+	rm -f runs/bench/data_prep_smoke.json runs/bench/data_prep_smollm2.json runs/bench/regen_smollm2.json \
+	  runs/bench/train_smoke.json runs/bench/train_smollm2.json runs/bench/attention_llama31_8b.json \
+	  runs/bench/memory_llama31_8b_eagle3.json runs/bench/online_smoke.json runs/bench/online_smollm2.json
 	$(PY) -m bench.capture --repeats 5 --out runs/bench/data_prep_smoke.json -- experiment=smoke run_dir=runs/bench/smoke
 	$(PY) -m bench.capture --num-samples 8 --repeats 2 --out runs/bench/data_prep_smollm2.json -- experiment=smollm2 run_dir=runs/bench/smollm2
 	$(PY) -m bench.regen --num-prompts 64 --max-tokens 64 --out runs/bench/regen_smollm2.json -- experiment=smollm2 run_dir=runs/bench/regen

@@ -163,6 +163,12 @@ def check_replaceable(dest: Path, kind: str, legacy: tuple[str, ...] = ()) -> No
     """Raise NotOurs unless `dest` is absent, empty, or a directory the pipeline published as `kind` (its
     marker; before markers, one of the `legacy` files only that kind writes)."""
     dest = Path(dest)
+    under = next((parent for parent in dest.parents if parent.exists() and not parent.is_dir()), None)
+    if under is not None:
+        raise NotOurs(
+            f"{dest} lies under {under}, which is a file, not a directory: refused before anything was built. "
+            "Name a directory whose parents are directories (or absent)"
+        )
     recover_dir(dest)
     if not dest.exists() and not dest.is_symlink():
         return

@@ -18,3 +18,20 @@ module, `python -m bench.<name> --help`; `make bench` runs the data_prep and tra
     watch_trial.py     the watch: a head watched on real vLLM servers, then made to fail
     gpu_check.py       what a lent GPU can prove in one call (docs/gpu.md#the-gpu-check)
 """
+
+from argparse import ArgumentTypeError
+from pathlib import Path
+
+
+def new_file(value: str) -> Path:
+    """argparse type of a tool's --out result file, checked before the tool runs for minutes: refused where
+    something is there already (a result would be replaced without a word; a directory would fail at the
+    end) or where it lies under a file."""
+    path = Path(value)
+    if path.exists() or path.is_symlink():
+        what = "a directory" if path.is_dir() else "a file"
+        raise ArgumentTypeError(f"{path} exists ({what}): name a new file, or move it away yourself")
+    under = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if under is not None:
+        raise ArgumentTypeError(f"{path} lies under {under}, which is a file: name a path in a directory")
+    return path

@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
+from bench import new_file
 from bench.train_step import mark_memory, peak_memory
 from heads.attention import attention, dense_attention
 
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("N", "G", "D"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ways", nargs="+", default=["dense", "chunked", "flex"])
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=new_file, default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n, g, d = args.heads

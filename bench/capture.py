@@ -29,6 +29,7 @@ import torch
 
 from artifacts.cache import write_shard
 from artifacts.config import compose
+from bench import new_file
 from data_prep.capture import capture_engine, capture_layers
 from data_prep.hidden_states import compute_shard, hf_states, pad_batch, plan_batches, vllm_states
 from data_prep.main import build_embedded_target
@@ -51,7 +52,7 @@ def main() -> None:
     )
     parser.add_argument("--num-samples", type=int, default=None, help="conversations to use (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over the batches, per path")
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--out", type=new_file, default=None, help="write the results as JSON here")
     parser.add_argument(
         "--engines", default="hf,vllm", help="hf (always) and vllm: the capture engines timed"
     )

@@ -38,6 +38,7 @@ import torch
 
 from artifacts.config import compose
 from artifacts.vocab import VocabMap
+from bench import new_file
 from bench.train_step import autocast, mark_memory, peak_memory
 from target.model import default_aux_layer_ids
 from train.memory import GB, IN_SETUP, describe, peak_bytes, step_memory
@@ -367,7 +368,7 @@ def main() -> None:
     parser.add_argument("--online", action="store_true", help="a random bf16 target computes the states")
     parser.add_argument("--tiny", action="store_true", help="a small Llama shape: seconds, any machine")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, key=value")
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--out", type=new_file, default=None, help="write the results as JSON here")
     parser.add_argument(
         "--profile",
         action="store_true",

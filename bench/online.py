@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from bench import new_file
+
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"cache": "true", "online": "false"}  # train.features -> cache.hidden_states
 
@@ -81,7 +83,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps trained in each mode")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     parser.add_argument("--work-dir", default="runs/bench/online", help="where the two runs go (replaced)")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", type=new_file, help="write the results as JSON here")
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
     if any(o.startswith("run_dir=") for o in overrides):

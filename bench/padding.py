@@ -22,6 +22,7 @@ import numpy as np
 
 from artifacts.cache import CacheSplit
 from artifacts.config import compose
+from bench import new_file
 from train.data import plan_epoch
 
 
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--processes", type=int, default=1, help="training processes (8 for the GPU recipes)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs' plans averaged over")
-    parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    parser.add_argument("--out", type=new_file, default=None, help="write the result as JSON here")
     parser.add_argument("overrides", nargs="*", help="pipeline config overrides, after --")
     args = parser.parse_args()
     cfg = compose("config", [*args.overrides, f"run_dir={args.run_dir.resolve()}"])

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from bench import new_file
 from bench.memory import (
     build_model,
     device_name,
@@ -323,7 +324,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a small Llama shape: seconds, any machine")
     parser.add_argument("--override", nargs="*", default=[],
                         help="our trainer's config overrides (train.compile=true, train.attention=flex)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--out", type=new_file, default=None, help="write the results as JSON here")
     parser.add_argument("--child", choices=["ours", "speculators"],
                         help="one trainer at the first K in this process, its result as a JSON line")  # fmt: skip
     args = parser.parse_args()

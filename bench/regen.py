@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from artifacts.config import compose
+from bench import new_file
 from data_prep.capture import capture_engine, capture_layers
 from data_prep.main import build_embedded_target
 from data_prep.regenerate import start_engine, token_prompts
@@ -39,7 +40,7 @@ def main() -> None:
     )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--out", type=new_file, default=None, help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="data_prep config overrides")
     args = parser.parse_args()
     cfg = compose("config", list(args.overrides))

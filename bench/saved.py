@@ -30,12 +30,12 @@ import json
 import sys
 import weakref
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench import new_file
 from bench.memory import ANSWER_FRACTION, KINDS, build_model, child_result, random_batch, recipe_config
 from bench.train_step import autocast
 from train.memory import GB, step_memory
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=SETTINGS, help='"kind" or "kind:key=value,..."')
     parser.add_argument("--batch-size", type=int, default=1, help="samples in the micro-batch")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the recipe's render.max_length")
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--out", type=new_file, default=None, help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help="one setting in this process, as a JSON line")
     args = parser.parse_args()
     if args.child:

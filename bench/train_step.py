@@ -47,6 +47,7 @@ from artifacts.cache import CacheSplit
 from artifacts.config import compose
 from artifacts.manifest import read_manifest
 from artifacts.vocab import load_vocab_map
+from bench import new_file
 from target.launch import make_accelerator
 from target.model import load_config, load_embedding_and_lm_head
 from train.data import check_cache_matches_target, micro_batch, plan_epoch
@@ -212,7 +213,7 @@ def main() -> None:
     parser.add_argument("--steps-list", default="1,7", help="TTT depths K to compare, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over the batches, per K")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--out", type=new_file, default=None, help="write the results as JSON here")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="pipeline config overrides (as for train/main.py)")
     args = parser.parse_args()

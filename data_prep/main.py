@@ -30,7 +30,7 @@ from artifacts import atomic
 from artifacts.cache import read_shard_sidecar, read_shard_tokens, shard_path
 from artifacts.config import check_config, register_configs
 from artifacts.errors import stage_errors
-from artifacts.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity
+from artifacts.manifest import FORMAT_VERSION, MANIFEST_NAME, check_identity, regen_settings
 from artifacts.prompts import request_kwargs, served_template_kwargs
 from artifacts.run_lock import holds_run_dir
 from artifacts.vocab import build_vocab_map, count_tokens, save_vocab_map
@@ -44,7 +44,7 @@ from data_prep.capture import (
     storage_dir,
 )
 from data_prep.hidden_states import bytes_per_token, cache_split, hf_states, plan_shards, vllm_states
-from data_prep.regenerate import answer_samples, regen_settings, regenerate_rank_share
+from data_prep.regenerate import answer_samples, regenerate_rank_share
 from data_prep.render import RenderedSample, fit_length, render_all
 from data_prep.sources import SPLIT_BY, describe_sources, is_held_out, load_conversations
 from target.launch import make_accelerator, setup_logging

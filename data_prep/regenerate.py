@@ -27,30 +27,6 @@ from target.vllm import EngineSettings, running_llm
 log = logging.getLogger(__name__)
 
 
-def regen_settings(cfg) -> dict:
-    """What decides the regenerated text: recorded in the manifest and part of the cache's identity (and so
-    of the head's record: artifacts/manifest.py answer_temperatures reads it)."""
-    settings = {
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "max_new_tokens": cfg.max_new_tokens,
-        "seed": cfg.seed,
-    }
-    if cfg.temperature > 0:  # sampled: how many answers, and seeds per request (greedy caches keep theirs)
-        settings |= {
-            "samples_per_prompt": cfg.samples_per_prompt,
-            "include_greedy": cfg.include_greedy,
-            "seeds": "per_request",
-        }
-    # How answers are read and whether the target reasons (only where set: older caches keep their identity)
-    for key, default in (("reasoning", "keep"), ("tool_parser", None), ("reasoning_parser", None)):
-        if getattr(cfg, key, default) != default:
-            settings[key] = getattr(cfg, key)
-    if getattr(cfg, "tool_parser", None) or getattr(cfg, "reasoning_parser", None):
-        settings["decode"] = "as_served"  # special tokens kept where the parsers keep them (they were not)
-    return settings
-
-
 def answer_samples(conversations: list, cfg) -> list:
     """Each conversation `regen.samples_per_prompt` times, as `<id>#<j>`: each sample is regenerated with
     its own seeds, so a prompt gives that many different answers (one conversation each)."""

@@ -256,7 +256,7 @@ def model_card(
                 ["learning rate", settings.get("optim", {}).get("lr", "?")],
                 ["micro-batch per process", settings.get("train", {}).get("batch_size", "?")],
                 ["gradient accumulation", settings.get("train", {}).get("gradient_accumulation_steps", "?")],
-                ["epochs", settings.get("train", {}).get("num_epochs", "?")],
+                ["epochs", epochs_text(training, settings.get("train", {}).get("num_epochs", "?"))],
                 ["mixed precision", settings.get("train", {}).get("mixed_precision", "?")],
                 ["warm start", settings.get("train", {}).get("init_from") or "none"],
             ],
@@ -329,6 +329,20 @@ def sglang_section(
         sglang_serve_command(target, str(sglang_dir), algorithm, *settings),
         "```",
     ]
+
+
+def epochs_text(training: dict, configured) -> str:
+    """The epochs the head was trained for (its steps over the steps of an epoch), and the configured
+    number where `train.max_steps` cut it short; a record from before steps_per_epoch says it is the
+    configured one."""
+    per_epoch, steps = training.get("steps_per_epoch"), training.get("num_steps")
+    if not per_epoch or steps is None:
+        return f"{configured} configured (the record does not say how many were trained)"
+    trained = steps / per_epoch
+    text = f"{trained:.3g} ({steps} optimizer steps, {per_epoch} an epoch)"
+    if configured != "?" and abs(trained - configured) > 1e-9:
+        text += f"; {configured} configured, cut short by train.max_steps"
+    return text
 
 
 def temperature_text(regeneration: dict | None) -> str:

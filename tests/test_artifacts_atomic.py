@@ -239,6 +239,10 @@ def test_only_a_directory_the_pipeline_published_as_that_kind_is_replaced_or_rem
     (tmp_path / "file").write_text("x")
     with pytest.raises(atomic.NotOurs, match="exists and is not a directory"):
         atomic.check_replaceable(tmp_path / "file", "export")
+    # a path under a file: refused before anything is built (issue 62: it used to die after the build)
+    with pytest.raises(atomic.NotOurs, match=f"lies under {tmp_path / 'file'}, which is a file"):
+        atomic.check_replaceable(tmp_path / "file" / "sub" / "export", "export")
+    assert sorted(os.listdir(tmp_path)) == ["file", "head", "notes"]
     legacy = tmp_path / "old_export"
     legacy.mkdir()
     (legacy / "export_record.json").write_text("{}")

@@ -188,7 +188,8 @@ def test_a_record_the_template_rejects_is_skipped_and_counted(tmp_path):
 def test_sampled_answers_have_a_seed_of_their_own_and_greedy_settings_refuse_several():
     from types import SimpleNamespace
 
-    from data_prep.regenerate import answer_samples, regen_settings, sampling_params
+    from artifacts.manifest import regen_settings
+    from data_prep.regenerate import answer_samples, sampling_params
     from data_prep.sources import Conversation
 
     cfg = SimpleNamespace(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=0, samples_per_prompt=3,

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from artifacts import atomic
 from artifacts.atomic import MARKER
 from artifacts.prompts import stop_token_ids
 from export.main import run as export
@@ -186,9 +187,25 @@ def test_export_stage_writes_the_model_card(trained_run):
     card = (out / "README.md").read_text()
     head_config = json.loads((trained_run / "draft_head" / "draft_config.json").read_text())
     assert head_config["target"]["hash"] in card and "| optimizer steps | 8 |" in card
+    # the epochs trained, not those configured: the fast smoke run stops at train.max_steps=8
+    per_epoch = head_config["training"]["steps_per_epoch"]
+    configured = head_config["training"]["settings"]["train"]["num_epochs"]
+    assert 8 < per_epoch * configured
+    assert (
+        f"| epochs | {8 / per_epoch:.3g} (8 optimizer steps, {per_epoch} an epoch); {configured} configured"
+        in card
+    )
     assert f"{head_config['training']['held_out']['eval/acc_0']:.4g}" in card
     assert '--speculative-config \'{"method": "eagle3"' in card
     assert "**Not verified** (export.verify=false" in card and "Parity" not in card  # no claim
+
+
+def test_export_refuses_a_directory_under_a_file_before_building(trained_run):
+    blocker = trained_run / "a_file"
+    blocker.write_text("mine")
+    with pytest.raises(atomic.NotOurs, match=f"lies under {blocker}, which is a file"):
+        export(smoke_config(trained_run, f"export.out_dir={blocker}/sub"))
+    assert blocker.read_text() == "mine" and [p.name for p in trained_run.glob("a_file*")] == ["a_file"]
 
 
 def test_export_stage_names_a_missing_head(tmp_path):

@@ -6,6 +6,7 @@ render.max_length that leaves nothing named."""
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -213,3 +214,41 @@ def test_a_full_or_read_only_disk_under_safetensors_or_a_record_is_one_line_nami
     with pytest.raises(OSError) as raised:
         atomic.save(tmp_path / "export_record.json", write)
     assert raised.value.filename == str(tmp_path / "export_record.json")
+
+
+def test_a_bench_tool_refuses_an_out_that_exists_before_it_runs(tmp_path, subprocess_env):
+    """A result file is never replaced without a word, nor does a directory there fail the tool at its end:
+    every tool's --out is refused by argparse before anything runs (issue 62)."""
+    from argparse import ArgumentTypeError
+
+    from bench import new_file
+
+    (tmp_path / "taken.json").write_text("{}")
+    for out, says in [
+        (tmp_path, f"{tmp_path} exists (a directory)"),
+        (tmp_path / "taken.json", "exists (a file)"),
+        (tmp_path / "taken.json" / "new.json", "which is a file"),
+    ]:
+        with pytest.raises(ArgumentTypeError, match=re.escape(says)):
+            new_file(str(out))
+    assert new_file(str(tmp_path / "new.json")) == tmp_path / "new.json"
+    assert (tmp_path / "taken.json").read_text() == "{}"
+    # every tool writing a result file takes it through new_file; one run end to end (it took minutes, then
+    # failed on the directory)
+    for tool in (
+        "attention",
+        "capture",
+        "memory",
+        "online",
+        "padding",
+        "peer",
+        "regen",
+        "saved",
+        "train_step",
+    ):
+        assert '--out", type=new_file' in (REPO / "bench" / f"{tool}.py").read_text(), tool
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.attention", "--out", str(tmp_path)],
+        cwd=REPO, env=subprocess_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and f"{tmp_path} exists (a directory)" in done.stderr, done.stderr

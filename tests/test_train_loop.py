@@ -155,11 +155,11 @@ def test_no_held_out_split_means_not_measured_never_zeros(smoke_target_dir, tmp_
     run_dir = tmp_path / "run"
     shutil.copytree(smoke_target_dir, run_dir / "smoke_target")
     data_prep(smoke_config(run_dir, "data.eval_fraction=0"))
-    assert run(train_config(run_dir, "train.max_steps=2")) is None
+    assert run(train_config(run_dir, "data.eval_fraction=0", "train.max_steps=2")) is None
     assert not (run_dir / "train_eval.jsonl").exists()
     config = json.loads((run_dir / "draft_head" / "draft_config.json").read_text())
     assert config["training"]["held_out"] is None
-    export(train_config(run_dir, "export.verify=false"))
+    export(train_config(run_dir, "data.eval_fraction=0", "export.verify=false"))
     card = (run_dir / "export" / "README.md").read_text()
     assert "Not measured: the cache has no held-out split" in card and "Offline estimate" not in card
 
@@ -792,3 +792,17 @@ def test_fp16_overflow_is_the_loss_scalers_to_skip_until_it_is_no_longer_finding
     assert check_finite(inf, inf, 4, tmp_path, skipped_in_a_row=MAX_SKIPPED_FP16_STEPS - 1) is True
     with pytest.raises(FloatingPointError, match=f"after {MAX_SKIPPED_FP16_STEPS} fp16 overflows in a row"):
         check_finite(1.0, inf, 5, tmp_path, skipped_in_a_row=MAX_SKIPPED_FP16_STEPS)
+
+
+def test_a_cache_made_with_other_settings_is_refused_before_training(regen_run, tmp_path):
+    """A greedy cache is not trained as if its answers were sampled (issue 62): every setting of the cache's
+    identity that the config decides is compared, and a difference refused before any step or file."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(regen_run / "cache", run_dir / "cache")
+    sampled = ("regen.temperature=1", "regen.samples_per_prompt=2", "train.resume=auto")
+    with pytest.raises(ValueError, match=r"other settings than train is given:\n  regeneration: cache has "
+                       r"\{'temperature': 0\.0.*config has \{'temperature': 1\.0"):  # fmt: skip
+        run(smoke_config(run_dir, *FAST, *sampled, experiment="smoke_regen"))
+    with pytest.raises(ValueError, match=r"  max_length: cache has \d+, config has 64\n"):
+        run(smoke_config(run_dir, *FAST, "render.max_length=64", experiment="smoke_regen"))
+    assert not any((run_dir / n).exists() for n in ("ckpt", "draft_head", "train.yaml", "train_steps.jsonl"))

@@ -3,6 +3,7 @@
 for bad input. The real-server run is in tests/test_watch_vllm.py."""
 
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from artifacts.config import compose
+from tests.helpers import REPO
 from tests.test_watch_health import MEASURED, MODEL, Server, eval_counts
 from tests.test_watch_health import results as results  # noqa: F401 (fixture)
 from watch.main import WatchError, watch
@@ -252,17 +254,16 @@ def test_rules_and_panel_are_written_from_the_judged_window(tmp_path, head, resu
 
 
 def test_exit_codes_never_read_as_a_verdict(tmp_path, head, results, subprocess_env):  # noqa: F811
-    """A bad setting or an unreadable record: one line, exit 64 (never 1, "retrain"); SIGTERM (turned into
-    Ctrl-C's KeyboardInterrupt): a quiet stop, exit 130."""
+    """A bad setting, a head name eval never measured, an override Hydra cannot parse or an unreadable
+    record: exit 64 (never 1, "retrain", nor 3, "could not judge"); SIGTERM (turned into Ctrl-C's
+    KeyboardInterrupt): a quiet stop, exit 130."""
     import signal
     import subprocess
     import sys
 
-    from tests.helpers import REPO
-
-    def run(*overrides):
+    def run(*overrides, eval_head="peagle"):
         command = [sys.executable, str(REPO / "watch/main.py"), "experiment=smoke", f"run_dir={head.parent}",
-                   f"watch.results={results}", "watch.eval_head=peagle", *overrides]  # fmt: skip
+                   f"watch.results={results}", f"watch.eval_head={eval_head}", *overrides]  # fmt: skip
         return subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)  # fmt: skip
 
@@ -273,6 +274,15 @@ def test_exit_codes_never_read_as_a_verdict(tmp_path, head, results, subprocess_
         bad_setting = run(f"watch.url={stub.url}", "watch.z=inf")
         bad_record = run(f"watch.url={stub.url}", f"watch.results={bad}")
         watching = run(f"watch.url={stub.url}", "watch.interval_s=0.2")
+        typo = run(f"watch.url={stub.url}", "watch.once=true", eval_head="pegale")
+        unparsed = run(f"watch.url={stub.url}", "watch.once=maybe")
+        assert typo.wait(timeout=120) == 64
+        line = typo.stderr.read().strip().splitlines()[-1]
+        assert (
+            line.startswith("watch: watch.eval_head=pegale:") and "measured no such head (['peagle'" in line
+        )
+        assert unparsed.wait(timeout=120) == 64
+        assert "watch.once" in unparsed.stderr.read()
         assert bad_setting.wait(timeout=120) == 64
         line = bad_setting.stderr.read().strip().splitlines()[-1]
         assert line.startswith("watch: watch.z=inf: must be in (0, 10]")
@@ -389,6 +399,16 @@ def test_a_head_served_in_another_thinking_mode_is_named_and_retrained_in_the_se
     assert thinking_note("h", None, {"enable_thinking": False}) is None  # not recorded: nothing to compare
     note = thinking_note("h", {}, {"enable_thinking": False})
     assert "{'enable_thinking': False}" in note and "9.49" in note and "render.chat_template_kwargs" in note
+
+    # docs/watch.md's forms as bash passes them (quotes removed), each read as the same object
+    from watch.actions import served_kwargs_of
+
+    doc = (REPO / "docs" / "watch.md").read_text()
+    typed = re.findall(r"`('watch\.chat_template_kwargs=[^`]*')`", doc)
+    assert len(typed) == 2
+    for form in typed:
+        settings = compose("config", [f"run_dir={tmp_path}", *shlex.split(form)]).watch
+        assert served_kwargs_of(settings) == {"enable_thinking": False}, form
 
     run = ["experiment=smoke_regen", "++render.chat_template_kwargs={enable_thinking:true}"]
     served = [

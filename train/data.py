@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from artifacts.cache import HIDDEN_DTYPE, CacheSplit
+from artifacts.manifest import regen_settings
+from artifacts.prompts import served_template_kwargs
 from target.model import load_model, target_dir, target_hidden_states, weights_bytes, weights_hash
 
 # Online training refuses a target taking more than this share of a GPU's free memory: the rest is the
@@ -40,6 +42,34 @@ def check_cache_matches_target(cache_manifest: dict, cfg, target_config) -> None
         raise ValueError(
             f"{cfg.run_dir}/cache was made for another target or layers than train is given "
             f"(target.path={cfg.target.path}):\n" + "\n".join(lines)
+        )
+
+
+def check_cache_settings(cache_manifest: dict, cfg) -> None:
+    """Refuse, before any training, a cache made with other data settings than train is given: its answers
+    regenerated otherwise (temperature, samples, lengths), rendered otherwise, or another draft vocabulary
+    or split. Training on it would train, and record, what the settings do not say (a greedy cache trained
+    as if sampled at T=1). Only what the config alone decides is compared; the dataset's fingerprint is
+    data_prep's to check. A field an older manifest lacks is not compared."""
+    expected = {
+        "regeneration": regen_settings(cfg.regen) if cfg.regen.enabled else None,
+        "max_length": cfg.render.max_length,
+        "overlong": cfg.render.overlong,
+        "draft_vocab_size": cfg.cache.draft_vocab_size,
+        "draft_vocab_fill": cfg.cache.draft_vocab_fill,
+        "eval_fraction": cfg.data.eval_fraction,
+    }
+    differing = [k for k, v in expected.items() if k in cache_manifest and cache_manifest[k] != v]
+    if (cache_manifest.get("chat_template_kwargs") or {}) != served_template_kwargs(cfg):
+        differing.append("chat_template_kwargs")
+        expected["chat_template_kwargs"] = served_template_kwargs(cfg)
+    if differing:
+        lines = [f"  {k}: cache has {cache_manifest.get(k)!r}, config has {expected[k]!r}" for k in differing]
+        raise ValueError(
+            f"{cfg.run_dir}/cache was made with other settings than train is given:\n"
+            + "\n".join(lines)
+            + "\n"
+            "Make the cache for these settings (data_prep in a new run_dir), or give train the cache's settings"
         )
 
 

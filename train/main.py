@@ -47,6 +47,7 @@ from train.checkpoint import load_warm_start, save_checkpoint, trajectory_settin
 from train.data import (
     OnlineStates,
     check_cache_matches_target,
+    check_cache_settings,
     count_steps,
     micro_batch,
     online_states,
@@ -130,6 +131,7 @@ def run(cfg: DictConfig) -> dict:
     cache_manifest = read_manifest(cache_dir)
     target_config = load_config(cfg.target)
     check_cache_matches_target(cache_manifest, cfg, target_config)
+    check_cache_settings(cache_manifest, cfg)
     train_split, eval_split = CacheSplit(cache_dir, "train"), CacheSplit(cache_dir, "eval")
     if not (cache_dir / "vocab.safetensors").exists():
         raise ValueError(
@@ -187,7 +189,9 @@ def run(cfg: DictConfig) -> dict:
         head = accelerator.unwrap_model(model).draft
         exported = {k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")}
         exported = {k: v for k, v in exported.items() if k not in EXCLUDED_FROM_EXPORT}
-        record = head_record(cfg, head, cache_dir, cache_manifest, num_steps, world, final_eval)
+        record = head_record(
+            cfg, head, cache_dir, cache_manifest, num_steps, steps_per_epoch, world, final_eval
+        )
         write_head(run_dir / "draft_head", record, exported, cache_dir / "vocab.safetensors")
         log.info("final head: %s", run_dir / "draft_head")
     # Every rank tears its process group down together: a rank that destroyed its gloo group and exited

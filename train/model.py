@@ -273,7 +273,7 @@ CACHE_IDENTITY = ("aux_layer_ids", "tokenizer_hash", "dataset_fingerprint", "dat
 
 
 def head_record(
-    cfg, draft, cache_dir, cache_manifest: dict, num_steps: int, world: int, held_out
+    cfg, draft, cache_dir, cache_manifest: dict, num_steps: int, steps_per_epoch: int, world: int, held_out
 ) -> HeadRecord:
     """draft_config.json of the final head: what it is, what it drafts for, what it was trained on and how."""
     return HeadRecord(
@@ -283,6 +283,7 @@ def head_record(
         cache={"path": str(cache_dir), **{k: cache_manifest.get(k) for k in CACHE_IDENTITY}},
         training={
             "num_steps": num_steps,
+            "steps_per_epoch": steps_per_epoch,  # the epochs trained: num_steps / steps_per_epoch
             "num_processes": world,
             # Resolved within the whole config (head.block_size's default reads export.num_speculative_tokens).
             "settings": {

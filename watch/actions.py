@@ -9,7 +9,7 @@ import json
 import shlex
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from artifacts.prompts import served_template_kwargs
 from watch.expectation import read_json
@@ -76,10 +76,14 @@ def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
 
 
 def served_kwargs_of(settings) -> dict | None:
-    """watch.chat_template_kwargs read: a JSON object, or None where it is not set (a ValueError, which the
-    watch reports as bad input, for anything else)."""
+    """watch.chat_template_kwargs read: Hydra's dict or a JSON object, or None where it is not set (a
+    ValueError, which the watch reports as bad input, for anything else)."""
     if settings.chat_template_kwargs is None:
         return None
+    if isinstance(settings.chat_template_kwargs, DictConfig):  # Hydra's form: {enable_thinking:false}
+        return OmegaConf.to_container(settings.chat_template_kwargs)
+    if not isinstance(settings.chat_template_kwargs, str):
+        raise ValueError(f"watch.chat_template_kwargs={settings.chat_template_kwargs!r}: not an object")
     try:
         value = json.loads(settings.chat_template_kwargs)
     except json.JSONDecodeError as error:

@@ -154,6 +154,14 @@ def load_expected(cfg: DictConfig, head_dir: Path, k: int, prefix_holds: bool) -
     watch = cfg.watch
     results = results_path(cfg)
     if results.exists():
+        if watch.eval_head is not None:
+            names = sorted(
+                {r.get("head") for r in read_json(results, "eval results").get("runs", [])} - {None}
+            )
+            if watch.eval_head not in names:  # a typo is bad input, not a head eval could not judge
+                raise WatchError(
+                    f"watch.eval_head={watch.eval_head}: {results} measured no such head ({names})"
+                )
         name = watch.eval_head or eval_head_name(results, head_dir)
         return expected_from_results(results, name, k, watch.temperature, watch.workload, prefix_holds)
     verification = head_dir / "verification.json"
@@ -327,10 +335,15 @@ def interrupted(*_):
     raise KeyboardInterrupt
 
 
+STARTED = False  # set once Hydra has composed the config: an exit before it is Hydra refusing the command
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    global STARTED
+    STARTED = True
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     signal.signal(signal.SIGTERM, interrupted)  # a quiet stop, as Ctrl-C
     try:
@@ -351,4 +364,11 @@ def main(cfg: DictConfig) -> None:
 register_configs()
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        # Hydra reports an override it cannot parse or a config it cannot compose with exit status 1, the
+        # one-shot protocol's "retrain": that is bad input (its message is printed above).
+        if not STARTED and stop.code not in (0, None):
+            sys.exit(BAD_INPUT)
+        raise

@@ -130,10 +130,11 @@ class WatchConfig:
     results: str | None = None
     eval_head: str | None = None  # the head's name in those results (None: the one served from `head`)
     temperature: float = checked(0.0, within(0, 2))  # the traffic's sampling temperature, as eval measured
-    # the chat-template kwargs the traffic is served with, as JSON (its thinking mode, e.g.
-    # '{"enable_thinking": false}': what `vllm serve --default-chat-template-kwargs` or the requests pass;
-    # None: not said, not compared with the head's record)
-    chat_template_kwargs: str | None = None
+    # the chat-template kwargs the traffic is served with (its thinking mode): Hydra's dict,
+    # 'watch.chat_template_kwargs={enable_thinking:false}', or the JSON `vllm serve
+    # --default-chat-template-kwargs` takes, quoted for Hydra; None: not said, not compared with the head's
+    # record
+    chat_template_kwargs: Any = None
     workload: str | None = None  # judge against this workload's measurement only (None: every workload's)
     # a window per interval, lengthened while too short for its requests (watch/health.py `insufficient`)
     interval_s: float = checked(60.0, within(0, 86400, low_closed=False))
