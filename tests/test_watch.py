@@ -201,7 +201,19 @@ def test_an_outage_and_a_restart_are_verdicts_and_the_watch_goes_on(tmp_path, he
     assert "process_start_time_seconds" in next(r["reason"] for r in records if r["verdict"] == "restarted")
 
 
-def test_the_served_model_is_checked_for_every_export_format(tmp_path, head, results):  # noqa: F811
+def test_the_model_check_compares_paths_and_says_when_only_names_agree():
+    """/data/runB/final is not /data/runA/final although both end in `final` (issue 62: judged the same);
+    a hub id and a path of the same name cannot be compared from here, which the watch says."""
+    from watch.main import same_model
+
+    assert same_model("/data/runA/final", "/data/runA/final/") is True
+    assert same_model("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B") is True
+    assert same_model("/data/runB/final", "/data/runA/final") is None
+    assert same_model("/models/Llama-3.1-8B", "meta-llama/Llama-3.1-8B") is None
+    assert same_model("/models/Qwen3-8B", "/models/SmolLM2-135M-Instruct") is False
+
+
+def test_the_served_model_is_checked_for_every_export_format(tmp_path, head, results, caplog):  # noqa: F811
     """A plain export (no speculators verifier): its record names the target; an empty model list, and LoRA
     adapters beside the base model (warned: their traffic is in the counters)."""
     (head / "config.json").write_text(json.dumps({"architectures": ["Eagle3LlamaForCausalLM"]}))
@@ -209,6 +221,12 @@ def test_the_served_model_is_checked_for_every_export_format(tmp_path, head, res
     with Stub(model="/models/Qwen3-8B") as stub:
         with pytest.raises(WatchError, match=r"serves '/models/Qwen3-8B'; the head was trained for"):
             watch(config(tmp_path, head, stub.url, f"watch.results={results}", "watch.once=true"))
+    # Only the name agrees (the path is on no host here): judged, and said so
+    with Stub(model="/elsewhere/" + MODEL.rstrip("/").rsplit("/", 1)[-1]) as stub:
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                     "watch.once=true")  # fmt: skip
+        assert watch(cfg) == 0
+    assert "only their names agree. The watch cannot tell from here" in caplog.text
     with Stub(models=[]) as stub:
         with pytest.raises(WatchError, match=r"/v1/models lists no model"):
             watch(config(tmp_path, head, stub.url, f"watch.results={results}", "watch.once=true"))

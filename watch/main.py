@@ -109,11 +109,15 @@ def head_target(head_dir: Path) -> str | None:
     return (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
 
 
-def same_model(a: str, b: str) -> bool:
-    """By path where both are local directories, else by name (the last path component)."""
+def same_model(a: str, b: str) -> bool | None:
+    """Whether two model names are the same model: the same directory where both are on this host, the same
+    path or hub id otherwise; None where only their last components agree (a path elsewhere against another,
+    or a hub id against a path): the weights behind them cannot be compared from here."""
     if Path(a).exists() and Path(b).exists():
         return Path(a).resolve() == Path(b).resolve()
-    return Path(a.rstrip("/")).name == Path(b.rstrip("/")).name
+    if a.rstrip("/") == b.rstrip("/"):
+        return True
+    return None if Path(a.rstrip("/")).name == Path(b.rstrip("/")).name else False
 
 
 def check_server(url: str, target: str | None) -> None:
@@ -122,11 +126,24 @@ def check_server(url: str, target: str | None) -> None:
         log.warning("the export does not name its target: the model %s serves is not checked", url)
         return
     served = [value for value in (root, name) if value]
-    if not any(same_model(value, target) for value in served):
-        raise WatchError(
-            f"watch.url={url} serves {root or name!r}; the head was trained for {target!r} "
-            "(a different model: set watch.target to the model the server should serve)"
+    found = [same_model(value, target) for value in served]
+    if True in found:
+        return
+    if None in found:  # said, not passed in silence: a server elsewhere may hold the same weights elsewhere
+        log.warning(
+            "%s serves %r and the head was trained for %r: only their names agree. The watch cannot tell "
+            "from here whether they are the same weights (neither path is on this host, and vLLM does not "
+            "report a hash of its weights); judging as if they were. Set watch.target to the served model "
+            "if it is another one",
+            url,
+            root or name,
+            target,
         )
+        return
+    raise WatchError(
+        f"watch.url={url} serves {root or name!r}; the head was trained for {target!r} "
+        "(a different model: set watch.target to the model the server should serve)"
+    )
 
 
 def eval_head_name(results: Path, head_dir: Path) -> str:
