@@ -248,6 +248,10 @@ def test_a_mix_entry_can_be_overridden_from_the_command_line():
         ("head.position_weights=pace", "head.position_weights=pace: must be one of decay, dpace"),
         ("head.dpace_norm=token", "head.dpace_norm=token: must be one of position, all"),
         ("train.alpha_on=full", "train.alpha_on=full: must be one of target, draft_vocab"),
+        # settings that act only with another (issue 62: accepted and ignored)
+        ("head.dpace_norm=all", "head.dpace_norm=all: must be position without D-PACE"),
+        ("head.dpace_a=0.2", "head.dpace_a=0.2: must be 0.5 without D-PACE"),
+        ("train.alpha_on=draft_vocab", "train.alpha_on=draft_vocab: must be target for train.loss=kl"),
         (
             "eval.temperature=[-1]",
             "eval.temperature=[-1.0]: must be a non-empty list of distinct values in [0, 2]",

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from omegaconf import MISSING, DictConfig
 
-from artifacts.config.checks import refuse
+from artifacts.config.checks import loss_terms, refuse
+
+ALPHA_TERMS = {"tv", "nla", "lk"}  # the divergences whose alpha train.alpha_on says the p of
 
 # what data.role_map maps a source's roles onto (`developer`: OpenAI's, rendered as vLLM renders it)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -196,6 +198,18 @@ def check_combinations(cfg: DictConfig) -> None:
         )
     if cfg.head.position_weights == "dpace" and cfg.head.kind == "eagle1":
         refuse("head.position_weights", "dpace", "decay for an eagle1 head (EAGLE-1 trains one position)")
+    # Settings that act only with another: a value other than the default without it would change nothing.
+    if cfg.head.position_weights != "dpace":
+        for key, default in (("dpace_norm", "position"), ("dpace_a", 0.5)):
+            if cfg.head[key] != default:
+                refuse(
+                    f"head.{key}",
+                    cfg.head[key],
+                    f"{default} without D-PACE (or set head.position_weights=dpace)",
+                )
+    if cfg.train.alpha_on != "target" and not {name for name, _ in loss_terms(cfg.train.loss)} & ALPHA_TERMS:
+        refuse("train.alpha_on", cfg.train.alpha_on,
+               f"target for train.loss={cfg.train.loss} (alpha is in tv, nla and lk only)")  # fmt: skip
     if cfg.head.sliding_window is not None:
         if cfg.head.kind not in ("eagle3", "peagle"):
             refuse("head.sliding_window", cfg.head.sliding_window,
