@@ -111,26 +111,15 @@ def attention(
     return torch.cat(outs, dim=2)
 
 
-def visible_keys(
-    q_BNTD: Tensor,
-    k_BGSD: Tensor,
-    v_BGSD: Tensor,
-    query_positions_BT: Tensor,
-    extra_k_BGTJD: Tensor | None,
-    extra_v_BGTJD: Tensor | None,
-    extra_visible_BTJ: Tensor | None,
-    query_starts_BT: Tensor | None,
-) -> tuple:
+def visible_keys(q, k, v, positions, extra_k, extra_v, extra_visible, starts) -> tuple:
     """`dense_attention`'s inputs cut to the keys some query sees: from the earliest query's first visible
     key (its document's or window's start) to the latest query's position. Positions and starts are then
     counted from that cut. A causal pass computes about half its scores this way, and a packed row only
     its documents' blocks."""
-    first = 0 if query_starts_BT is None else int(query_starts_BT.min())
-    last = int(query_positions_BT.max()) + 1
-    return (
-        q_BNTD, k_BGSD[:, :, first:last], v_BGSD[:, :, first:last], query_positions_BT - first, extra_k_BGTJD,
-        extra_v_BGTJD, extra_visible_BTJ, None if query_starts_BT is None else query_starts_BT - first,
-    )  # fmt: skip
+    first = 0 if starts is None else int(starts.min())
+    last = int(positions.max()) + 1
+    kept = (k[:, :, first:last], v[:, :, first:last], positions - first)
+    return (q, *kept, extra_k, extra_v, extra_visible, None if starts is None else starts - first)
 
 
 def dense_attention(
@@ -272,11 +261,8 @@ class LayerKV:
             t, s = q_BNTD.shape[2], k_BGSD.shape[2]
             starts_BT = self.query_starts(t, anchors_BM)
             if window is not None:
-                rows_BT = (
-                    anchors_BM
-                    if anchors_BM is not None
-                    else torch.arange(s - t, s, device=q_BNTD.device).expand(q_BNTD.shape[0], t)
-                )
+                rows_BT = torch.arange(s - t, s, device=q_BNTD.device).expand(q_BNTD.shape[0], t)
+                rows_BT = rows_BT if anchors_BM is None else anchors_BM
                 starts_BT = later(starts_BT, window_starts(rows_BT, window))
             return attention(q_BNTD, k_BGSD, v_BGSD, anchors_BM, query_starts_BT=starts_BT)
         # A drafting step: its query at anchor t sees the sequence up to t and the steps so far at t.

@@ -798,7 +798,8 @@ def test_a_cache_made_with_other_settings_is_refused_before_training(regen_run, 
     """A greedy cache is not trained as if its answers were sampled (issue 62): every setting of the cache's
     identity that the config decides is compared, and a difference refused before any step or file."""
     run_dir = tmp_path / "run"
-    shutil.copytree(regen_run / "cache", run_dir / "cache")
+    for part in ("cache", "smoke_target"):
+        shutil.copytree(regen_run / part, run_dir / part)
     sampled = ("regen.temperature=1", "regen.samples_per_prompt=2", "train.resume=auto")
     with pytest.raises(ValueError, match=r"other settings than train is given:\n  regeneration: cache has "
                        r"\{'temperature': 0\.0.*config has \{'temperature': 1\.0"):  # fmt: skip
