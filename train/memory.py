@@ -87,7 +87,7 @@ def scored_calls(head, seq_len: int, num_answer: int, packed: bool = False) -> l
     keys, DFlash's blocks over the context and their own keys; every call of a packed row. Each layer makes
     the same calls. TTT's steps and P-EAGLE's first depth query the rows some depth trains; so does their
     call over the sequence where it does not take the fused kernel (train/losses/positions.py
-    `sequence_outputs`: packed rows, a sliding window, or at most a quarter of the rows trained)."""
+    heads/layers.py `fused_rows`: packed rows, a sliding window, or at most a quarter of the rows trained)."""
     t = seq_len
     plain = [(t, t)] if packed else []
     m = min(t, num_answer)

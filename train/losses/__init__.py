@@ -49,7 +49,6 @@ from train.losses.positions import (
     prediction_anchors,
     row_anchors,
     sample_generators,
-    sequence_outputs,
     wanted_first,
     weighed_total,
 )
@@ -102,7 +101,6 @@ __all__ = [
     "position_loss",
     "prediction_anchors",
     "sample_generators",
-    "sequence_outputs",
     "row_anchors",
     "same_document",
     "sample_blocks",

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from heads.attention import KVCache, document_positions
 from heads.eagle3 import Eagle3Draft
-from train.losses.positions import Dpace, depth_losses, depth_weights, prediction_anchors, sequence_outputs
+from train.losses.positions import Dpace, depth_losses, depth_weights, prediction_anchors
 from train.losses.rows import batch_teacher, shift_left
 from train.objectives import KL, Objective
 
@@ -32,13 +32,11 @@ def ttt_rollout(
     num_steps: int,
     starts_BT: Tensor | None = None,
     anchors_BM: Tensor | None = None,
-    outputs_BM: Tensor | None = None,
 ) -> list[Tensor]:
     """Pre-norm outputs [B, T, H] of steps 0..K-1, teacher-forced (step k reads x_{t+1+k}): one call of the
     head's forward per step, the cache holding the earlier steps' keys at each position; in rows packed
     at `starts_BT`, each position sees and is placed in its own document only. With `anchors_BM`, the
-    outputs are [B, M, H] at those rows only (`prediction_anchors`); step 0's keys are still every row's,
-    its outputs computed at `outputs_BM` (the anchors) or at every row then taken at the anchors."""
+    outputs are [B, M, H] at those rows only (`prediction_anchors`); step 0's keys are still every row's."""
     if starts_BT is None:
         positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
     else:
@@ -51,9 +49,7 @@ def ttt_rollout(
         # Step k's token sits k places after step 0's: RoPE position t + k, as when vLLM drafts a chain.
         ids_BT, rope_BT = shift_left(input_ids_BT, 1 + step), positions_BT + step
         if step == 0:  # the sequence: inputs and keys at every row
-            out_BTH = model(ids_BT, hidden_BTH, rope_BT, cache, outputs_BM=outputs_BM)
-            if anchors_BM is not None and outputs_BM is None:
-                out_BTH = out_BTH.gather(1, anchors_BM[..., None].expand(-1, -1, out_BTH.shape[2]))
+            out_BTH = model(ids_BT, hidden_BTH, rope_BT, cache, outputs_BM=anchors_BM)
         elif anchors_BM is None:
             out_BTH = model(ids_BT, hidden_BTH, rope_BT, cache)
         else:
@@ -95,9 +91,8 @@ def ttt_loss(
     # Every step at the anchors some step trains: a long prompt's rows give step 0's keys, nothing more.
     anchors = prediction_anchors(batch, range(num_steps))
     outs = ttt_rollout(
-        model, batch["input_ids"], batch["aux_hidden"], num_steps, batch.get("doc_starts"), anchors.index_BM,
-        sequence_outputs(model, batch, anchors),
-    )  # fmt: skip
+        model, batch["input_ids"], batch["aux_hidden"], num_steps, batch.get("doc_starts"), anchors.index_BM
+    )
     return depth_losses(
         model, objective, outs, batch, teacher, weights, denominators, [anchors] * num_steps, dpace
     )

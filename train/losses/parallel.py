@@ -30,7 +30,6 @@ from train.losses.positions import (
     kept_first,
     prediction_anchors,
     row_anchors,
-    sequence_outputs,
     wanted_first,
 )
 from train.losses.rows import batch_teacher, same_document, shift_left
@@ -77,13 +76,11 @@ def parallel_forward(
     aux_BTAH: Tensor,
     anchors: list[Anchors | None],
     starts_BT: Tensor | None = None,
-    outputs_BM: Tensor | None = None,
 ) -> list[Tensor]:
     """The last layer's pre-norm outputs per depth, [B, M_d, H] at anchors[d].index_BM ([B, T, H] where
     None: all T positions; depth 0's keys are every row's whatever its anchors; depth d >= 1's nested). One call of the head's forward per depth; the cache
     gives depth d the real keys up to its anchor (of its document, in rows packed at `starts_BT`) and the
-    slots of depths 1..d there. Depth 0's outputs are computed at `outputs_BM` (its anchors) or at every
-    row, then taken at its anchors."""
+    slots of depths 1..d there."""
     b, t = input_ids_BT.shape
     positions_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
     rope_BT = positions_BT if starts_BT is None else document_positions(starts_BT)
@@ -92,10 +89,8 @@ def parallel_forward(
     # Depth 0 is EAGLE-3's step 0 (the next token beside the aux states): keys at every row, outputs at
     # its anchors (or every row).
     hidden_BTH = model.target_hidden(aux_BTAH)
-    out_BTH = model(shift_left(input_ids_BT, 1), hidden_BTH, rope_BT, cache, outputs_BM=outputs_BM)
-    if anchors[0] is not None and outputs_BM is None:
-        out_BTH = out_BTH.gather(1, index[0][..., None].expand(-1, -1, out_BTH.shape[2]))
-    outs = [out_BTH]
+    outputs_BM = None if anchors[0] is None else index[0]
+    outs = [model(shift_left(input_ids_BT, 1), hidden_BTH, rope_BT, cache, outputs_BM=outputs_BM)]
     # Mask slots share one token and one hidden state; depth d of anchor t sits at position t + d.
     mask_hidden_11H = model.mask_state()
     for d in range(1, len(anchors)):
@@ -133,8 +128,5 @@ def parallel_loss(
         anchors[1:] = [prediction_anchors(batch, range(1, num_depths))] * (num_depths - 1)
     weights = depth_weights(gamma, num_depths)
     teacher = batch_teacher(batch, target_lm_head, draft_to_target, chunk_size)
-    outs = parallel_forward(
-        model, batch["input_ids"], batch["aux_hidden"], anchors, batch.get("doc_starts"),
-        sequence_outputs(model, batch, anchors[0]),
-    )  # fmt: skip
+    outs = parallel_forward(model, batch["input_ids"], batch["aux_hidden"], anchors, batch.get("doc_starts"))
     return depth_losses(model, objective, outs, batch, teacher, weights, denominators, anchors, dpace)

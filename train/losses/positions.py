@@ -112,18 +112,6 @@ def prediction_anchors(batch: dict[str, Tensor], steps: range) -> Anchors:
     return Anchors(order_BT[:, : keep_BM.shape[1]], keep_BM)
 
 
-def sequence_outputs(model: Eagle3Draft, batch: dict[str, Tensor], anchors: Anchors) -> Tensor | None:
-    """The rows where the sequence's call (TTT's step 0, P-EAGLE's depth 0) computes its last layer's
-    outputs: the anchors, or None (every row, to be gathered at the anchors after) where PyTorch's fused
-    causal kernel over every row costs less - one sample a row, no sliding window, and more than a quarter
-    of the rows trained. On a 2-core CPU at SmolLM2's widths and 2,048 rows the anchored call breaks even
-    at half the rows and takes 0.38x the fused one's time at an eighth (forward and backward, one layer)."""
-    fused = "doc_starts" not in batch and model.config.sliding_window is None
-    if fused and 4 * anchors.index_BM.shape[1] > batch["input_ids"].shape[1]:
-        return None
-    return anchors.index_BM
-
-
 def depth_losses(
     model: Eagle3Draft,
     objective: Objective,
