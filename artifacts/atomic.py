@@ -159,12 +159,16 @@ def published_kind(path: Path) -> str | None:
         return None
 
 
+def file_above(path: Path) -> Path | None:
+    """The first of `path`'s parents that exists and is not a directory (nothing can be made under it)."""
+    return next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
+
+
 def check_replaceable(dest: Path, kind: str, legacy: tuple[str, ...] = ()) -> None:
     """Raise NotOurs unless `dest` is absent, empty, or a directory the pipeline published as `kind` (its
     marker; before markers, one of the `legacy` files only that kind writes)."""
     dest = Path(dest)
-    under = next((parent for parent in dest.parents if parent.exists() and not parent.is_dir()), None)
-    if under is not None:
+    if (under := file_above(dest)) is not None:
         raise NotOurs(
             f"{dest} lies under {under}, which is a file, not a directory: refused before anything was built. "
             "Name a directory whose parents are directories (or absent)"

@@ -22,6 +22,8 @@ module, `python -m bench.<name> --help`; `make bench` runs the data_prep and tra
 from argparse import ArgumentTypeError
 from pathlib import Path
 
+from artifacts.atomic import file_above
+
 
 def new_file(value: str) -> Path:
     """argparse type of a tool's --out result file, checked before the tool runs for minutes: refused where
@@ -31,7 +33,6 @@ def new_file(value: str) -> Path:
     if path.exists() or path.is_symlink():
         what = "a directory" if path.is_dir() else "a file"
         raise ArgumentTypeError(f"{path} exists ({what}): name a new file, or move it away yourself")
-    under = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
-    if under is not None:
+    if (under := file_above(path)) is not None:
         raise ArgumentTypeError(f"{path} lies under {under}, which is a file: name a path in a directory")
     return path
