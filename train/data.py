@@ -58,13 +58,13 @@ def check_cache_settings(cache_manifest: dict, cfg) -> None:
         "draft_vocab_size": cfg.cache.draft_vocab_size,
         "draft_vocab_fill": cfg.cache.draft_vocab_fill,
         "eval_fraction": cfg.data.eval_fraction,
+        "chat_template_kwargs": served_template_kwargs(cfg),
     }
-    differing = [k for k, v in expected.items() if k in cache_manifest and cache_manifest[k] != v]
-    if (cache_manifest.get("chat_template_kwargs") or {}) != served_template_kwargs(cfg):
-        differing.append("chat_template_kwargs")
-        expected["chat_template_kwargs"] = served_template_kwargs(cfg)
+    # a manifest holds the kwargs only where there are some (data_prep's cache_identity)
+    found = {**cache_manifest, "chat_template_kwargs": cache_manifest.get("chat_template_kwargs") or {}}
+    differing = [k for k, v in expected.items() if k in found and found[k] != v]
     if differing:
-        lines = [f"  {k}: cache has {cache_manifest.get(k)!r}, config has {expected[k]!r}" for k in differing]
+        lines = [f"  {k}: cache has {found[k]!r}, config has {expected[k]!r}" for k in differing]
         raise ValueError(
             f"{cfg.run_dir}/cache was made with other settings than train is given:\n"
             + "\n".join(lines)

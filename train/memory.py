@@ -23,6 +23,7 @@ import math
 import torch
 
 from heads.attention import SCORE_BUDGET_BYTES
+from heads.layers import fused_rows
 from train.losses import LOGIT_BUDGET_BYTES
 
 log = logging.getLogger("train")  # train's own logger: the estimate is one of its lines
@@ -86,12 +87,12 @@ def scored_calls(head, seq_len: int, num_answer: int, packed: bool = False) -> l
     the fused causal kernel (heads/attention.py): TTT's later steps and P-EAGLE's depths with their extra
     keys, DFlash's blocks over the context and their own keys; every call of a packed row. Each layer makes
     the same calls. TTT's steps and P-EAGLE's first depth query the rows some depth trains; so does their
-    call over the sequence where it does not take the fused kernel (train/losses/positions.py
-    heads/layers.py `fused_rows`: packed rows, a sliding window, or at most a quarter of the rows trained)."""
+    call over the sequence where it does not take the fused kernel (heads/layers.py `fused_rows`: packed
+    rows, a sliding window, or at most a quarter of the rows trained)."""
     t = seq_len
     plain = [(t, t)] if packed else []
     m = min(t, num_answer)
-    if head.kind in ("eagle3", "peagle") and (packed or head.sliding_window is not None or 4 * m <= t):
+    if head.kind in ("eagle3", "peagle") and not fused_rows(packed, head.sliding_window, m, t):
         plain = [(m, t)]
     if head.kind == "eagle3":
         return plain + [(m, t + k) for k in range(1, head.num_ttt_steps)]
