@@ -23,6 +23,7 @@ recognised by a file only that kind writes (`legacy`), and an empty directory ho
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -251,6 +252,11 @@ def publish_dir(
             with contextlib.suppress(OSError):  # a non-empty `dest`: another process published first
                 os.rename(staging, dest)
             fsync_path(dest.parent)
+    except OSError as error:
+        if error.errno == errno.ENOSPC and staging.exists():  # its space given back, and said so
+            shutil.rmtree(staging, ignore_errors=True)
+            error.add_note(f"the unfinished {staging} was removed")
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # what a failed block (or a lost race) built
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eval.workloads import Conversation, Prompt
-from heads.acceptance import AcceptanceCounts
+from heads.acceptance import AcceptanceCounts, drafts_per_request, request_spread
 
 STEP_GAP_S = 1e-3  # chunks closer than this arrived from one engine step
 
@@ -228,6 +228,23 @@ def per_request(ok: list[RequestResult]) -> list[dict]:
     return rows
 
 
+def spread_of(ok: list[RequestResult]) -> dict | None:
+    """How alike one request's drafts are (`heads.acceptance.RequestSpread`): rho, and phi at these requests'
+    own lengths, the factor by which their mean acceptance length varies more than independent drafts'
+    would (the watch's band, watch/expectation.py). None with fewer than two requests with drafts."""
+    counts = [AcceptanceCounts.from_request_metrics(r.spec) for r in ok if r.spec]
+    spread = request_spread(counts)
+    if spread is None:
+        return None
+    m = drafts_per_request(counts)
+    return {
+        "intraclass": spread.intraclass,
+        "requests": spread.requests,
+        "drafts_per_request": m,
+        "dispersion": spread.dispersion(m),
+    }
+
+
 def summarize(results: list[RequestResult], duration_s: float, context_buckets: list[int] = ()) -> dict:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.num_tokens for r in ok)
@@ -244,4 +261,5 @@ def summarize(results: list[RequestResult], duration_s: float, context_buckets: 
         "itl_ms": percentiles_ms([gap for r in ok for gap in r.itls_s]),
         "by_context": by_context(ok, list(context_buckets)) if context_buckets else [],
         "per_request": per_request(ok),
+        "request_spread": spread_of(ok),
     }

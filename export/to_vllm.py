@@ -344,7 +344,7 @@ def write_engine_files(directory: Path, config: dict, weights: dict[str, torch.T
     """config.json and model.safetensors, what an engine reads, into `directory` (created)."""
     directory.mkdir(exist_ok=True)
     atomic.save_tensors({k: v.contiguous() for k, v in weights.items()}, directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic.write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")  # an error names it
 
 
 def check_head_fits_target(head_dir: Path, head_config: dict, target_config) -> None:

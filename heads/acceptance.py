@@ -163,6 +163,49 @@ def prefix_variance(p: list[float]) -> float:
     return max(variance, 0.0)
 
 
+@dataclass(frozen=True)
+class RequestSpread:
+    """How alike one request's drafts are, from requests' own counts (eval's `per_request`, vLLM 0.32's
+    per-request metrics): the intraclass correlation rho of a draft's accepted count A, the share of Var(A)
+    that lies between requests. Drafts of requests n_r long then vary in their mean as if there were fewer
+    of them: Var(L) = Var(A) / n * phi with phi = 1 + rho (m - 1) and m = sum n_r^2 / sum n_r, the drafts of
+    the request a random draft belongs to (`dispersion`). `requests` estimated rho: R - 1 degrees of
+    freedom."""
+
+    intraclass: float
+    requests: int
+
+    def dispersion(self, drafts_per_request: float) -> float:
+        return 1.0 + self.intraclass * max(drafts_per_request - 1.0, 0.0)
+
+
+def drafts_per_request(requests: list[AcceptanceCounts]) -> float:
+    """m = sum n_r^2 / sum n_r: the length-biased drafts per request (nan without drafts)."""
+    total = sum(r.num_drafts for r in requests)
+    return sum(r.num_drafts**2 for r in requests) / total if total else float("nan")
+
+
+def request_spread(requests: list[AcceptanceCounts]) -> RequestSpread | None:
+    """rho by one-way analysis of variance over requests of unequal lengths (None with fewer than two
+    requests with drafts). A draft's A is a prefix length, so its sum of squares follows from the
+    per-position counts: A^2 = sum_j (2j - 1) [A >= j]."""
+    requests = [r for r in requests if r.num_drafts]
+    n, groups = sum(r.num_drafts for r in requests), len(requests)
+    if groups < 2 or n <= groups:
+        return None
+    mean = sum(r.num_accepted_tokens for r in requests) / n
+    between = sum(r.num_drafts * (r.num_accepted_tokens / r.num_drafts - mean) ** 2 for r in requests)
+    within = sum(
+        sum((2 * j + 1) * c for j, c in enumerate(r.accepted_per_position))
+        - r.num_accepted_tokens**2 / r.num_drafts
+        for r in requests
+    )
+    ms_between, ms_within = between / (groups - 1), within / (n - groups)
+    size = (n - sum(r.num_drafts**2 for r in requests) / n) / (groups - 1)
+    tau2 = max(0.0, (ms_between - ms_within) / size)
+    return RequestSpread(tau2 / (tau2 + ms_within) if tau2 + ms_within > 0 else 0.0, groups)
+
+
 # The offline estimate from a head's per-depth accuracies (train's held-out eval): 1 + acc_0 + acc_0*acc_1' + ...
 def chain_counts(right_KBT: Tensor, eligible_KBT: Tensor) -> tuple[Tensor, Tensor]:
     """(hits_K, totals_K): at depth j, positions whose depths < j were all right and that are eligible at j

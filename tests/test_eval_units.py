@@ -170,6 +170,14 @@ def test_each_request_is_bucketed_by_its_context_length_with_its_own_acceptance(
     assert [(r["prompt_tokens"], r["num_drafts"], r["accepted_per_position"]) for r in rows] == [
         (100, 10, [10, 10, 0]), (300, 10, [10, 0, 0]), (3000, 10, [5, 0, 0])
     ]  # fmt: skip
+    # how alike a request's drafts are (one-way ANOVA over the requests: means 2, 1 and 0.5, only the third
+    # varying within): rho = 0.574 / (0.574 + 0.0926), phi at 10 drafts per request = 1 + 9 rho
+    spread = summarize(results, 1.0, bounds)["request_spread"]
+    assert spread["requests"] == 3 and spread["drafts_per_request"] == 10
+    assert spread["intraclass"] == pytest.approx(0.8611, abs=1e-3)
+    assert spread["dispersion"] == pytest.approx(1 + 9 * spread["intraclass"])
+    alike = [served(100, 10, 5, 0.01), served(200, 10, 5, 0.01)]
+    assert summarize(alike, 1.0, bounds)["request_spread"]["intraclass"] == 0.0
     # a server without per-request metrics: the buckets' latency, no acceptance
     plain = [RequestResult(True, None, 4, 0.1, 0.01, [], prompt_tokens=10)]
     assert summarize(plain, 1.0, bounds)["by_context"][0]["acceptance"] is None

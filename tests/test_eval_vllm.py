@@ -442,4 +442,12 @@ def test_watch_holds_a_real_server_serving_the_head_against_evals_record(eval_ru
         len(r["per_position"]) == 3 and 0.8 < r["concurrency"] < 1.2 and r["dispersion"] >= 1
         for r in timeline
     )  # k, c from vLLM
+    # eval recorded its requests' spread; the server's histogram of generated tokens gives the window's
+    # drafts per request (the dispersion says which estimate was the wider)
+    assert chat["request_spread"]["requests"] >= 2, chat["request_spread"]
+    assert all(r["dispersion_from"] for r in timeline)
+    assert (
+        any("eval's spread" in r["dispersion_from"] for r in timeline)
+        or chat["request_spread"]["intraclass"] < 0.05
+    )
     assert len(read_conversations(log)) >= 3  # the request log, with the answers served

@@ -218,6 +218,34 @@ def test_a_full_disk_while_the_export_is_built_frees_its_staging_and_says_so(
     assert f"unfinished {staging}: free space, then rerun" in line
 
 
+def test_a_full_disk_after_the_weights_names_the_file_and_what_was_freed(smoke_head, tmp_path, monkeypatch):
+    """ENOSPC as a flush raises it (no file name) at config.json, right after model.safetensors, inside the
+    engine files' own staging: the line names config.json and the staging removed (as a 19.7-MB tmpfs
+    with one page to spare did before the fix: "the directories it writes", nothing said freed)."""
+    import errno
+    import pathlib
+
+    from artifacts.errors import explain
+
+    run_dir, before = published(smoke_head, tmp_path)
+    write_text = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if "config.json" in self.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    with pytest.raises(OSError) as raised:
+        export_main.run(smoke_config(run_dir, "export.format=plain"))
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in (run_dir / "export").iterdir()} == before
+    assert sorted(p.name for p in run_dir.iterdir() if "export" in p.name) == ["export"]  # nothing left
+    line = explain("export", raised.value)
+    assert line.startswith("export: no space left on the disk of ") and "config.json; the unfinished " in line
+    assert "was removed: free space, then rerun" in line
+
+
 def test_the_card_labels_each_estimate_by_temperature_and_claims_no_check_export_did_not_run():
     """Nine estimates (T=0, T=1 with greedy and with sampled drafts, k=1..3) each with its temperature; the
     SGLang line says the loader check is the test suite's, and an unverified export is not 'verified above'."""

@@ -15,6 +15,7 @@ from artifacts.config import compose
 from tests.helpers import REPO
 from tests.test_watch_health import MEASURED, MODEL, Server, eval_counts
 from tests.test_watch_health import results as results  # noqa: F401 (fixture)
+from watch.alert_rules import le_pattern
 from watch.main import WatchError, watch
 
 
@@ -104,8 +105,12 @@ def test_one_window_exit_codes_and_what_it_writes(tmp_path, head, results):  # n
     assert record["verdict"] == "healthy" and record["actions"] == []
     assert record["drafts"] == 800 * 20 and record["dispersion"] < 3  # 20 scrapes of 800 rounds each
     rules = yaml.safe_load((out / "alerts.yml").read_text())["groups"][0]["rules"]
-    assert [r["alert"] for r in rules] == ["SpeculativeHeadDegraded", "SpeculativeHeadNetNegative"]
-    assert f'model_name="{MODEL}"' in rules[0]["expr"]
+    assert [r["alert"] for r in rules] == [
+        "SpeculativeHeadDegraded", "SpeculativeHeadNetNegative", "SpeculativeHeadLatency"
+    ]  # fmt: skip
+    # for the watched server only: Prometheus' instance label of a static target is the URL's host:port
+    instance = stub.url.removeprefix("http://").rstrip("/")
+    assert all(f'model_name="{MODEL}",instance="{instance}"' in r["expr"] for r in rules)
     panel = json.loads((out / "grafana_panel.json").read_text())
     assert [s["color"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [
         "red",
@@ -264,10 +269,13 @@ def test_rules_and_panel_are_written_from_the_judged_window(tmp_path, head, resu
     out = head.parent / "watch"
     window = json.loads((out / "timeline.jsonl").read_text().splitlines()[-1])
     rules = yaml.safe_load((out / "alerts.yml").read_text())["groups"][0]["rules"]
-    assert [float(r["expr"].split(" < ")[1].split()[0]) for r in rules] == [
+    assert [float(r["expr"].split(" < ")[1].split()[0]) for r in rules[:2]] == [
         round(window["expected_low"], 4),
         round(window["break_even"], 4),
     ]
+    assert (
+        f'le=~"{le_pattern(window["itl_bound_s"])}"' in rules[2]["expr"]
+    )  # the bucket the watch counted above
     assert f"{window['drafts']:.0f} drafts" in rules[0]["annotations"]["window"]
 
 

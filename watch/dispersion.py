@@ -1,16 +1,17 @@
-"""How much a window's mean acceptance length varies, from the window alone (the acceptance watch,
-watch/health.py): batch means over request-long stretches of the window, and the Student t quantile for the
-degrees of freedom they leave.
+"""How much a window's mean acceptance length varies (the acceptance watch, watch/health.py): phi, its
+variance over its drafts' binomial variance, and the Student t quantile for the degrees of freedom behind it.
 
 Drafts of one request are alike (they share its prompt and answer; a request of prose accepts less than one
-of code), so a window of a few requests varies between windows several times more than its drafts' binomial
-variance says. The watch scrapes `watch.subwindows` times per window; consecutive sub-windows are merged
-into batches each lasting at least REQUESTS_PER_BATCH times the window's mean request (`batches`), so that
-one request rarely spans two of them; their means L_j (n_j drafts each) spread around the window's L as
-sum_j n_j (L_j - L)^2 / Var(A) ~ phi chi2(J - 1) (`dispersion`, Pearson's estimate of phi), and the window's
-bounds use the t quantile with J - 1 degrees of freedom (`t_quantile`): the dispersion is itself estimated
-from J numbers. Shorter batches underestimate phi when requests outlive them (issue 47: 37% of healthy
-windows judged not healthy with 800-round requests in 80-round sub-windows).
+of code): with rho the share of a draft's variance between requests and m the drafts of the request a random
+draft belongs to, phi = 1 + rho (m - 1) (`heads.acceptance.RequestSpread`). `widest` takes the wider of:
+- eval's request spread (rho from its requests' own counts, R - 1 degrees of freedom) at the window's m
+  (`Window.drafts_per_request`);
+- batch means: consecutive sub-windows merged into batches each lasting at least REQUESTS_PER_BATCH times
+  the window's mean request (`batches`); their means L_j (n_j drafts) spread around the window's L as
+  sum_j n_j (L_j - L)^2 / Var(A) ~ phi chi2(J - 1) (`dispersion`, Pearson's estimate of phi), J - 1
+  degrees of freedom. Requests straddling batches make it read low (0.45x in tests/test_watch_soak.py's
+  traffic, issue 62): it stands alone only where eval recorded no requests, and shorter batches read lower
+  still (issue 47: 37% of healthy windows judged not healthy with 800-round requests in 80-round batches).
 """
 
 from __future__ import annotations
@@ -56,6 +57,37 @@ def dispersion(parts: Sequence[AcceptanceCounts], whole: AcceptanceCounts) -> fl
     length = whole.mean_acceptance_length
     pearson = sum(part.num_drafts * (part.mean_acceptance_length - length) ** 2 for part in parts)
     return max(1.0, pearson / variance / (len(parts) - 1))
+
+
+def proportion_dispersion(parts: Sequence[tuple[float, float]]) -> float:
+    """phi of a share over batches of (trials, successes) - the inter-token latencies above a threshold:
+    Pearson's sum_j (s_j - n_j p)^2 / (n_j p (1 - p)) / (J - 1), at least 1 (1 with fewer than two
+    batches, or a share of 0 or 1)."""
+    trials, successes = sum(n for n, _ in parts), sum(s for _, s in parts)
+    if len(parts) < 2 or not 0 < successes < trials:
+        return 1.0
+    p = successes / trials
+    pearson = sum((s - n * p) ** 2 / (n * p * (1 - p)) for n, s in parts)
+    return max(1.0, pearson / (len(parts) - 1))
+
+
+def widest(z: float, window, spread) -> tuple[float, float, str]:
+    """(q, phi, how): the window's t quantile and dispersion, the wider of two estimates (q sqrt(phi)):
+    - the batch means' (`dispersion`, J - 1 degrees of freedom), low where requests outlive batches;
+    - eval's request spread (`RequestSpread`: rho from its requests' own counts, R - 1 degrees of freedom)
+      at the window's own drafts per request (`Window.drafts_per_request`, from vLLM's histogram of
+      generated tokens per request), where eval recorded its requests and a request finished."""
+    options = [(t_quantile(z, window.batches - 1), window.dispersion, f"{window.batches} batches")]
+    m = window.drafts_per_request
+    if spread is not None and math.isfinite(m):
+        options.append(
+            (
+                t_quantile(z, spread.requests - 1),
+                spread.dispersion(m),
+                f"eval's spread over {spread.requests} requests at {m:.0f} drafts per request",
+            )
+        )
+    return max(options, key=lambda option: option[0] * math.sqrt(option[1]))
 
 
 def normal_cdf(z: float) -> float:

@@ -15,6 +15,7 @@ group weighs in by the window's share of requests in it (`Expected.band_low`, `m
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from heads.acceptance import AcceptanceCounts
+from heads.acceptance import AcceptanceCounts, RequestSpread, drafts_per_request, request_spread
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,22 @@ class Measured:
     itl_p99_ms: float | None
     # each request's context length (prompt tokens) and own counts, where eval recorded them
     requests: tuple[tuple[int, AcceptanceCounts], ...] = ()
+
+    @functools.cached_property
+    def spread(self) -> RequestSpread | None:
+        """How alike one request's drafts are in this run (None where requests were not recorded)."""
+        return request_spread([counts for _, counts in self.requests])
+
+    def dispersion(self, members: Sequence[AcceptanceCounts], window: float) -> float:
+        """phi of `members` (requests of this run) at their own lengths, by their own spread (a context-length
+        bucket's requests differ less than the whole run's), else this run's; the window's where nothing was
+        recorded per request."""
+        spread = request_spread(list(members)) or self.spread
+        return window if spread is None else spread.dispersion(drafts_per_request(list(members)))
+
+    def whole_low(self, q: float, dispersion: float) -> float:
+        phi = self.dispersion([counts for _, counts in self.requests], dispersion)
+        return self.acceptance.mean_acceptance_bounds(q, phi)[0]
 
     def mix_low(self, q: float, dispersion: float, mix: Sequence[tuple[float, float]]) -> float | None:
         """The lower bound of L over this run's requests weighed by a window's length mix: `mix` holds
@@ -54,14 +71,14 @@ class Measured:
             counts = sum(members, AcceptanceCounts())
             if not counts.num_drafts:
                 return None
-            parts.append((share * counts.num_drafts / len(members), counts))
-        total = sum(weight for weight, _ in parts)
+            parts.append((share * counts.num_drafts / len(members), counts, members))
+        total = sum(weight for weight, _, _ in parts)
         if not total:
             return None
-        mean = sum(weight * counts.mean_acceptance_length for weight, counts in parts) / total
-        spread = [counts.mean_acceptance_bounds(q, dispersion) for _, counts in parts]
+        mean = sum(weight * counts.mean_acceptance_length for weight, counts, _ in parts) / total
+        spread = [counts.mean_acceptance_bounds(q, self.dispersion(members, dispersion)) for _, counts, members in parts]  # fmt: skip
         half = math.sqrt(
-            sum((w / total * (high - low) / 2) ** 2 for (w, _), (low, high) in zip(parts, spread))
+            sum((w / total * (high - low) / 2) ** 2 for (w, _, _), (low, high) in zip(parts, spread))
         )
         return mean - half
 
@@ -77,14 +94,20 @@ class Expected:
 
     def band_low(self, q: float, dispersion: float = 1.0, mix: Sequence[tuple[float, float]] = ()) -> float:
         """The bottom of the expected band: the lowest lower bound of L over the workloads measured (q
-        standard errors), its drafts as dispersed as the window's (eval's requests are requests like the
-        window's). With a window's length `mix` (`Measured.mix_low`), over the runs that measured every
+        standard errors), its drafts as dispersed as its own requests say where eval recorded them, else
+        as the window's (eval's requests are requests like the window's). With a window's length `mix` (`Measured.mix_low`), over the runs that measured every
         length the window holds; where none did, over whole runs."""
         mixed = [run.mix_low(q, dispersion, mix) for run in self.runs] if mix else []
         mixed = [low for low in mixed if low is not None]
         if mixed:
             return min(mixed)
-        return min(run.acceptance.mean_acceptance_bounds(q, dispersion)[0] for run in self.runs)
+        return min(run.whole_low(q, dispersion) for run in self.runs)
+
+    @property
+    def spread(self) -> RequestSpread | None:
+        """The most dispersed run's request spread (None where no run recorded its requests)."""
+        spreads = [run.spread for run in self.runs if run.spread is not None]
+        return max(spreads, key=lambda spread: spread.intraclass, default=None)
 
     def judges_mix(self, mix: Sequence[tuple[float, float]]) -> bool:
         """Whether `band_low` weighs this length mix (some run measured every length it holds)."""

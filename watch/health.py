@@ -1,14 +1,15 @@
 """Is a served head still doing what it was measured to do? The acceptance watch's judgement (watch/main.py
 polls; this module decides), pure functions over scrapes of a vLLM server's `/metrics`.
 
-A `Snapshot` holds one scrape's cumulative counters and the server process' identity; a `Window` what one
-server process did between two; `Expected` what eval measured for the head (watch/expectation.py); `judge`
-gives each window a `Verdict`, with statistics rather than fixed thresholds:
+A `Snapshot` (watch/scrape.py) holds one scrape's cumulative counters and the server process' identity; a
+`Window` what one server process did between two; `Expected` what eval measured for the head
+(watch/expectation.py); `judge` gives each window a `Verdict`, with statistics rather than fixed thresholds:
 
 - the window's mean acceptance length L has a standard error from its own counts (a draft's accepted
   tokens are a prefix: `AcceptanceCounts.mean_acceptance_bounds`), so does eval's measurement of it; both
-  widened by the window's dispersion (drafts of one request are alike), estimated from request-long
-  batches of the window, with the t quantile of their degrees of freedom (watch/dispersion.py);
+  widened by their dispersion (drafts of one request are alike): eval's from its requests' own counts, the
+  window's the wider of eval's request spread at the window's request lengths and the window's batch
+  means, with the t quantile of its degrees of freedom (watch/dispersion.py);
 - `insufficient` while the window holds fewer than MIN_BATCHES request-long batches or MIN_DRAFTS drafts:
   the watch lengthens the window until it does (a window shorter than its requests cannot say how much they
   differ, and judged anyway it raises false alarms);
@@ -20,7 +21,9 @@ gives each window a `Verdict`, with statistics rather than fixed thresholds:
   (at the eval concurrency nearest the window's) makes serving as fast as no speculation, L_be = L_eval /
   speedup_eval (speedup proportional to L at a fixed round cost);
 - `latency` when more than 1% of the window's inter-token latencies exceed eval's p99 x (1 + margin) with
-  confidence (a binomial lower bound above 1%: under the measured distribution at most 1% lie above p99);
+  confidence (a binomial lower bound above 1%: under the measured distribution at most 1% lie above p99),
+  the binomial widened by the share's dispersion over the request-long batches (a slow stretch delays every
+  token in it) with their t quantile;
 - `no-speculation` (tokens generated, no drafts: the server does not draft), `idle` (no tokens generated).
 
 The watch itself gives `restarted` (another server process, or another k: `restart_reason`, on the first
@@ -35,16 +38,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from eval.prometheus import acceptance_counts, counter_total, parse_samples
-from heads.acceptance import VLLM_PREFIX, AcceptanceCounts
-from watch.dispersion import MIN_BATCHES, REQUESTS_PER_BATCH, batches, dispersion, t_quantile
+from heads.acceptance import AcceptanceCounts
+from watch.dispersion import (
+    MIN_BATCHES,
+    REQUESTS_PER_BATCH,
+    batches,
+    dispersion,
+    proportion_dispersion,
+    t_quantile,
+    widest,
+)
 from watch.expectation import Expected
-
-ITL = "vllm:inter_token_latency_seconds"
-E2E = "vllm:e2e_request_latency_seconds"  # its sum over a window / the window's length = mean concurrency
-PROMPT_TOKENS = "vllm:request_prompt_tokens"  # the finished requests' context lengths: a window's length mix
-GENERATED = "vllm:generation_tokens"
-REQUESTS = "vllm:request_success"
+from watch.scrape import Histogram, Snapshot, restart_reason
 
 MIN_DRAFTS = 50  # fewer drafts in a window: `insufficient`
 MAX_GROWTH = 100  # a window `insufficient` after this many intervals is dropped, and the next one begins
@@ -69,137 +74,6 @@ BAD_INPUT, CRASHED, INTERRUPTED = 64, 70, 130
 
 
 @dataclass(frozen=True)
-class Histogram:
-    """A Prometheus histogram summed over its label sets: (upper bound, cumulative count) per bucket,
-    +Inf last."""
-
-    buckets: tuple[tuple[float, float], ...] = ()
-    total: float = 0.0  # _sum
-
-    @property
-    def count(self) -> float:
-        return self.buckets[-1][1] if self.buckets else 0.0
-
-    def __sub__(self, earlier: Histogram) -> Histogram:
-        if not earlier.buckets:
-            return self
-        before = dict(earlier.buckets)
-        return Histogram(
-            tuple((le, c - before.get(le, 0.0)) for le, c in self.buckets), self.total - earlier.total
-        )
-
-    def per_bucket(self) -> tuple[tuple[float, float], ...]:
-        """(upper bound, observations in that bucket alone) per bucket, +Inf last."""
-        below, rows = 0.0, []
-        for le, cumulative in self.buckets:
-            rows.append((le, cumulative - below))
-            below = cumulative
-        return tuple(rows)
-
-    def count_above(self, threshold: float) -> float:
-        """Observations above the smallest bucket bound >= threshold (so never more than lie above it)."""
-        for le, cumulative in self.buckets:
-            if le >= threshold:
-                return self.count - cumulative
-        return 0.0
-
-    def quantile(self, q: float) -> float:
-        """Prometheus' histogram_quantile: linear within the bucket that holds rank q * count (nan if
-        empty; the last finite bound if the rank falls in +Inf)."""
-        if self.count <= 0:
-            return float("nan")
-        rank, lower, below = q * self.count, 0.0, 0.0
-        for le, cumulative in self.buckets:
-            if cumulative >= rank:
-                if math.isinf(le):
-                    return lower
-                inside = cumulative - below
-                return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
-            lower, below = le, cumulative
-        return lower
-
-
-def histogram(samples, name: str) -> Histogram:
-    """`name`'s buckets and sum from parsed samples (`eval.prometheus.parse_samples`), summed over engines."""
-    buckets: dict[float, float] = {}
-    for sample, labels, value in samples:
-        if sample == f"{name}_bucket" and "le" in labels:
-            le = float(labels["le"])
-            buckets[le] = buckets.get(le, 0.0) + value
-    return Histogram(tuple(sorted(buckets.items())), counter_total(samples, f"{name}_sum"))
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One scrape of a server's `/metrics`: cumulative since it started."""
-
-    time_s: float
-    acceptance: AcceptanceCounts
-    speculating: bool  # vLLM exposes the spec-decode counters only with a speculative config
-    generated_tokens: float
-    requests: float  # finished requests
-    itl: Histogram
-    e2e: Histogram
-    prompt_tokens: Histogram = Histogram()
-    model_names: frozenset[str] = frozenset()
-    # the server process' identity: process_start_time_seconds and the earliest `_created` of its counters
-    # (None where it exposes neither, e.g. prometheus_client's multiprocess mode)
-    started: float | None = None
-    created: float | None = None
-
-    @property
-    def k(self) -> int:
-        """The server's k: the width of its per-position counter (0 before its first draft)."""
-        return len(self.acceptance.accepted_per_position)
-
-
-def read_snapshot(text: str, time_s: float) -> Snapshot:
-    """A Snapshot from one `/metrics` text; ValueError when it is not a vLLM server's."""
-    samples = parse_samples(text)
-    if not any(name.startswith("vllm:") for name, _, _ in samples):
-        raise ValueError(
-            "no vllm: metrics in this /metrics text: not a vLLM server, or it runs with --disable-log-stats"
-        )
-    created = [v for name, _, v in samples if name.startswith("vllm:") and name.endswith("_created")]
-    started = [v for name, _, v in samples if name == "process_start_time_seconds"]
-    return Snapshot(
-        time_s,
-        acceptance_counts(text),
-        any(name.startswith(VLLM_PREFIX) for name, _, _ in samples),
-        counter_total(samples, GENERATED),
-        counter_total(samples, REQUESTS),
-        histogram(samples, ITL),
-        histogram(samples, E2E),
-        histogram(samples, PROMPT_TOKENS),
-        frozenset(labels["model_name"] for _, labels, _ in samples if "model_name" in labels),
-        min(started) if started else None,
-        min(created) if created else None,
-    )
-
-
-def restart_reason(earlier: Snapshot, later: Snapshot) -> str | None:
-    """Why `later` is not the same server process as `earlier` (a restart: its counters start again), or
-    serves another k; None when it is the same. Seen on the first scrape after it, whatever the counters
-    reached by then: by the process' start time and its counters' creation times, then by a counter that
-    went down."""
-    if None not in (earlier.started, later.started) and later.started != earlier.started:
-        return (
-            f"the server restarted (process_start_time_seconds {earlier.started:.0f} -> {later.started:.0f})"
-        )
-    if None not in (earlier.created, later.created) and later.created != earlier.created:
-        return "the server restarted (its counters were created again)"
-    if (
-        later.acceptance.num_drafts < earlier.acceptance.num_drafts
-        or later.generated_tokens < earlier.generated_tokens
-        or later.requests < earlier.requests
-    ):
-        return "the server restarted (a counter went down)"
-    if earlier.k and later.k and later.k != earlier.k:
-        return f"the server drafts k={later.k} (it drafted k={earlier.k})"
-    return None
-
-
-@dataclass(frozen=True)
 class Window:
     """What a server did between two snapshots of one server process."""
 
@@ -215,10 +89,27 @@ class Window:
     batches: int = 0  # request-long batches with drafts (watch/dispersion.py)
     dispersion: float = 1.0  # the acceptance's variance over the independent drafts'
     prompt_tokens: Histogram = Histogram()  # the finished requests' context lengths
+    answer_tokens: Histogram = Histogram()  # the finished requests' generated tokens
+    itl_batches: tuple[Histogram, ...] = ()  # the inter-token latencies of each request-long batch
 
     @property
     def seconds(self) -> float:
         return self.end_s - self.start_s
+
+    @property
+    def drafts_per_request(self) -> float:
+        """m = sum n_r^2 / sum n_r over the window's drafts: the finished requests' from their generated
+        tokens (a request of g tokens holds g / L drafts), and the drafts they do not hold split among the
+        requests still in flight (the mean concurrency, at least one: a long request outliving the window
+        weighs as it does). nan where the server has no histogram of generated tokens."""
+        drafts, length = self.acceptance.num_drafts, self.acceptance.mean_acceptance_length
+        if not drafts or not self.answer_tokens.buckets:
+            return float("nan")
+        finished = self.answer_tokens.total / length
+        squares = self.answer_tokens.square_sum() / length**2
+        rest = max(0.0, drafts - finished)
+        in_flight = max(1.0, self.concurrency) if math.isfinite(self.concurrency) else 1.0
+        return (squares + rest * rest / in_flight) / (finished + rest)
 
 
 def window(earlier: Snapshot, later: Snapshot, between: Sequence[Snapshot] = ()) -> Window:
@@ -245,6 +136,8 @@ def window(earlier: Snapshot, later: Snapshot, between: Sequence[Snapshot] = ())
         len(merged),
         dispersion(merged, acceptance),
         later.prompt_tokens - earlier.prompt_tokens,
+        later.answer_tokens - earlier.answer_tokens,
+        tuple(chain[j].itl - chain[i].itl for i, j in spans),
     )
 
 
@@ -316,10 +209,11 @@ def judge(
     numbers.update(request_s=current.request_s, batches=current.batches)
     if current.batches < MIN_BATCHES or counts.num_drafts < MIN_DRAFTS:
         return Verdict("insufficient", insufficient_reason(current), numbers)
-    q = t_quantile(z, current.batches - 1)  # the dispersion is estimated from `batches` numbers
-    low, high = counts.mean_acceptance_bounds(q, current.dispersion)
+    q, phi, how = widest(z, current, expected.spread)
+    numbers.update(dispersion=phi, dispersion_from=how)
+    low, high = counts.mean_acceptance_bounds(q, phi)
     mix = current.prompt_tokens.per_bucket() if current.prompt_tokens.count > 0 else ()
-    band = expected.band_low(q, current.dispersion, mix)
+    band = expected.band_low(q, phi, mix)
     if expected.judges_mix(mix):
         bounds = [0.0] + [le for le, _ in mix]
         numbers["length_mix"] = {  # requests per prompt-length bucket, as vLLM's histogram cuts them
@@ -345,12 +239,22 @@ def judge(
     if p99 is not None and current.itl.count > 0:
         threshold = p99 * (1 + latency_margin)
         above = current.itl.count_above(threshold / 1e3)
-        numbers.update(itl_threshold_ms=threshold, itl_above=above)
-        if wilson_low(above, current.itl.count, z) > 0.01:
+        parts = [(h.count, h.count_above(threshold / 1e3)) for h in current.itl_batches if h.count > 0]
+        phi_itl = proportion_dispersion(parts)  # a slow stretch delays every token in it: not independent
+        q_itl = t_quantile(z, len(parts) - 1) if len(parts) > 1 else z
+        numbers.update(
+            itl_threshold_ms=threshold,
+            itl_bound_s=current.itl.bound_at(threshold / 1e3),  # the bucket the share is counted above
+            itl_above=above,
+            itl_dispersion=phi_itl,
+            itl_q=q_itl,
+        )
+        if wilson_low(above / phi_itl, current.itl.count / phi_itl, q_itl) > 0.01:
             return Verdict(
                 "latency",
                 f"{above:.0f} of {current.itl.count:.0f} inter-token latencies above {threshold:.1f} ms "
-                f"(eval's p99 {p99:.1f} ms + {latency_margin:.0%}): more than 1% with confidence",
+                f"(eval's p99 {p99:.1f} ms + {latency_margin:.0%}): more than 1% with confidence "
+                f"(dispersion {phi_itl:.1f} over {len(parts)} batches)",
                 numbers,
             )
     return Verdict(

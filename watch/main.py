@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from urllib.parse import urlparse
 
 import hydra
 from omegaconf import DictConfig
@@ -55,7 +56,8 @@ from watch.expectation import (
     expected_from_verification,
     read_json,
 )
-from watch.health import BAD_INPUT, CRASHED, INTERRUPTED, Snapshot, Verdict, Watcher, read_snapshot
+from watch.health import BAD_INPUT, CRASHED, INTERRUPTED, Verdict, Watcher
+from watch.scrape import Snapshot, read_snapshot
 
 log = logging.getLogger("watch")
 
@@ -206,7 +208,7 @@ def status_line(verdict: Verdict) -> str:
             + (f", break-even {n['break_even']:.3f}" if n.get("break_even") else "")
         )
         parts.append("positions " + "/".join(f"{p:.2f}" for p in n["per_position"]))
-        parts.append(f"dispersion {n['dispersion']:.1f} over {n['batches']} batches")
+        parts.append(f"dispersion {n['dispersion']:.1f} ({n['dispersion_from']})")
     if "requests" in n:
         parts.append(
             f"{n['seconds']:.0f} s, {n['requests']:.0f} req, {n['generated_tokens']:.0f} tok, "
@@ -276,6 +278,7 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
     watcher = Watcher(expect, settings.z, settings.latency_margin, settings.subwindows)
     watcher.feed(first)
     model = next(iter(first.model_names), "")
+    instance = urlparse(settings.url).netloc if settings.instance is None else settings.instance
     log.info(
         "watching %s (k=%d, T=%g) against %s; timeline: %s",
         settings.url, first.k, settings.temperature,
@@ -323,7 +326,7 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
             )
             emit(verdict, out_dir, wandb_run, todo)
             if judged and "acceptance_low" in verdict.numbers:
-                write_rules(out_dir, watcher.expected, verdict, model)
+                write_rules(out_dir, watcher.expected, verdict, model, instance)
             if not judged or verdict.name in ("restarted", "down"):
                 continue
             status, windows = verdict.exit_code, windows + 1

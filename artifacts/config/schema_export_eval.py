@@ -147,6 +147,10 @@ class WatchConfig:
     z: float = checked(3.0, within(0, 10, low_closed=False))  # confidence bounds: z standard errors (t: docs)
     latency_margin: float = checked(0.5, NON_NEGATIVE)  # `latency` above eval's p99 x (1 + this)
     out_dir: str | None = None  # timeline.jsonl, alert rules, Grafana panel (None: <run_dir>/watch)
+    # the watched server's `instance` label in your Prometheus, which the alert rules select (None: the URL's
+    # host:port, Prometheus' label for a static target; '': every instance serving the model, each judged
+    # with this server's dispersion and band, as the rules' annotations then say)
+    instance: str | None = None
     traffic: str | None = None  # the served requests (OpenAI-style JSONL), for the retrain commands it prints
     report_to: str = checked("none", REPORT_TO)  # none | wandb (offline mode needs no account)
     wandb_project: str = "eagle-heads"
