@@ -1,7 +1,8 @@
 """What a stage's command prints when it stops for a reason outside the code: one line that names the cause,
 the file, and what to do - not a traceback. Interrupts (Ctrl-C; SIGTERM and SIGHUP, which the stages turn
-into one: target/reaper.py), a directory it may not write (permissions, a read-only mount), a full disk.
-Every other error keeps its traceback.
+into one: target/reaper.py), a directory it may not write (permissions, a read-only mount), a full disk,
+another process of a distributed job lost (a node that died: its peers' next collective fails). Every other
+error keeps its traceback.
 
     @hydra.main(config_path="../conf", config_name="config", version_base=None)
     @stage_errors("data_prep")
@@ -12,9 +13,14 @@ from __future__ import annotations
 
 import errno
 import functools
+import re
 import sys
 
 RESUMES = "rerun the same command: it resumes from what it finished"
+# what gloo and NCCL raise in a rank whose peer process is gone (killed, out of memory, its machine lost)
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote process exited or there was a network error"
+)
 
 
 def explain(stage: str, error: BaseException, rerun: str = RESUMES) -> str | None:
@@ -31,6 +37,11 @@ def explain(stage: str, error: BaseException, rerun: str = RESUMES) -> str | Non
         where = error.filename or "the directories it writes (run_dir, export.out_dir, eval.out_dir)"
         done = "".join(f"; {note}" for note in getattr(error, "__notes__", ()))  # what the stage freed
         return f"{stage}: no space left on the disk of {where}{done}: free space, then {rerun}"
+    if isinstance(error, RuntimeError) and (found := PEER_LOST.search(str(error))):
+        return (
+            f"{stage}: another process of this distributed job stopped ({found.group(0)}); its own log, on its "
+            f"node, says why. Then {rerun} - on every node"
+        )
     return None
 
 
@@ -40,7 +51,7 @@ def stage_errors(stage: str, rerun: str = RESUMES):
         def guarded(*args, **kwargs):
             try:
                 return main(*args, **kwargs)
-            except (KeyboardInterrupt, OSError) as error:
+            except (KeyboardInterrupt, OSError, RuntimeError) as error:
                 line = explain(stage, error, rerun)
                 if line is None:
                     raise

@@ -22,6 +22,7 @@ held-out side of the same split, so no conversation a head is measured on was tr
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -116,6 +117,75 @@ def code_conversations(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[dict]
             "id": f"stdlib/{name}",
             "messages": [{"role": "user", "content": question.format(source=source)}],
         }
+
+
+AGENT_TOOLS = [
+    {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {key: {"type": "string"} for key in keys}, "required": list(keys)}}}
+    for name, description, keys in (
+        ("list_directory", "List the files of a directory of the repository, with their sizes.", ("path",)),
+        ("search_code", "Find the lines that mention a name in the files under a directory.", ("name", "path")),
+        ("read_file", "Read a file of the repository, whole.", ("path",)),
+    )
+]  # fmt: skip
+AGENT_TASKS = (
+    "I maintain a fork of CPython's standard library. Find where `{name}` is defined in `{package}` and "
+    "explain what it does and who calls it.",
+    "Our service crashed inside `{package}`. Look at `{name}` there and tell me which inputs could make it "
+    "raise, and how to guard against them.",
+    "Document `{name}` from `{package}` for a new team member: its arguments, what it returns, one example.",
+)
+DEFINITION = re.compile(r"^(?:def|class) ([A-Za-z_]\w*)", re.MULTILINE)
+
+
+def call(number: int, tool: str, **arguments) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{number}", "type": "function",
+            "function": {"name": tool, "arguments": json.dumps(arguments)}}]}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def folder_files(folder: Path) -> list[tuple[str, int, list[str]]]:
+    """(name, bytes, lines) of a directory's Python files, sorted by name (the agent's tools read them)."""
+    files = sorted(folder.glob("*.py"))
+    return [
+        (f.name, f.stat().st_size, f.read_text(encoding="utf-8", errors="replace").splitlines())
+        for f in files
+    ]
+
+
+def agent_conversations(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[dict]:
+    """A coding agent's session about each standard-library file (of at most `max_chars` characters) that
+    defines a function or class: the user's task about one definition, then the agent's calls with the
+    tools' results - the file's directory listed, the lines naming the definition under it found, the file
+    read whole - ending where the agent answers. Real files and real search results, in the order of
+    `code_conversations`; OpenAI-style records with their `tools`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for record in code_conversations(max_chars):
+        name = record["id"].removeprefix("stdlib/")
+        path = root / name
+        source = path.read_text(encoding="utf-8", errors="replace").strip()
+        definitions = DEFINITION.findall(source)
+        if not definitions:
+            continue
+        digest = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
+        target = definitions[digest % len(definitions)]
+        folder = path.parent
+        files = folder_files(folder)
+        listing = "\n".join(f"{other}\t{size} bytes" for other, size, _ in files)
+        hits = [f"{other}:{i + 1}: {line.strip()}" for other, _, lines in files
+                for i, line in enumerate(lines) if target in line]  # fmt: skip
+        task = AGENT_TASKS[digest % len(AGENT_TASKS)]
+        directory = folder.relative_to(root).as_posix() if folder != root else "."
+        messages = [
+            {"role": "user", "content": task.format(name=target, package=name)},
+            call(0, "list_directory", path=directory),
+            {"role": "tool", "tool_call_id": "call_0", "content": listing},
+            call(1, "search_code", name=target, path=directory),
+            {"role": "tool", "tool_call_id": "call_1", "content": "\n".join(hits[:40])},
+            call(2, "read_file", path=name),
+            {"role": "tool", "tool_call_id": "call_2", "content": source},
+        ]
+        yield {"id": f"agent/{name}", "messages": messages, "tools": AGENT_TOOLS}
 
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}

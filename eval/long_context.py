@@ -5,7 +5,11 @@ artifacts/long_data.py), on the held-out side of data_prep's split (the prompt h
 - `long_chat`: ShareGPT conversations continued at their last user turn - the whole history before it, the
   answers as logged - first the conversations whose parts the shipped file split apart, joined again
   (2k-8k+ tokens), then the file's records as they are;
-- `long_code`: Python's own standard-library files, each whole in a user turn with a question about it.
+- `long_code`: Python's own standard-library files, each whole in a user turn with a question about it;
+- `long_agent`: a coding agent's session about each such file - its task, its calls and the tools' results
+  (the file's directory listed, the lines naming a definition found, the file read whole) - rendered with
+  its tools, ending where the agent answers (serve it with a chat template that renders tools, e.g.
+  `target.chat_template=${chat_template:smollm2_tools.jinja}`; the default SmolLM2 template drops the calls).
 
 Both are spread over the context buckets (`eval.context_buckets`) up to the longest prompt the server
 takes (its `max_model_len` less the workload's `max_tokens`): as many prompts in each bucket as the sources
@@ -24,7 +28,7 @@ from types import SimpleNamespace
 
 from artifacts.prompts import chat_prompt_ids, record_messages
 
-LONG_SOURCES = ("long_chat", "long_code")
+LONG_SOURCES = ("long_chat", "long_code", "long_agent")
 MAX_RECORDS = 20000  # ShareGPT records read at most for long_chat (a few seconds of parsing)
 
 
@@ -60,6 +64,15 @@ def long_code_messages(eval_fraction: float) -> Iterator[list[dict]]:
             yield record["messages"]
 
 
+def long_agent_records(eval_fraction: float) -> Iterator[dict]:
+    """A held-out agent session about each standard-library file (artifacts/long_data.py), with its tools."""
+    from artifacts.long_data import agent_conversations
+
+    for record in agent_conversations(max_chars=None):
+        if held_out(record["messages"], eval_fraction):
+            yield record
+
+
 def spread_by_length(prompts: Iterator[list[int]], bounds: list[int], num_prompts: int, limit: int):
     """Up to `num_prompts` of `prompts`, an equal share in each context bucket up to `limit` tokens (the
     buckets' bounds `bounds`, the last one closed at `limit`), in bucket order."""
@@ -81,6 +94,13 @@ def long_prompts(
     source: str, tokenizer, num_prompts: int, bounds: list[int], limit: int, template_kwargs, eval_fraction
 ) -> list[list[int]]:
     """The token ids of a long-context workload's prompts (module docstring), spread over the buckets."""
-    messages = (long_chat_messages if source == "long_chat" else long_code_messages)(eval_fraction)
-    rendered = (chat_prompt_ids(tokenizer, m, template_kwargs=template_kwargs) for m in messages)
+    if source == "long_agent":
+        records = long_agent_records(eval_fraction)
+    else:
+        messages = (long_chat_messages if source == "long_chat" else long_code_messages)(eval_fraction)
+        records = ({"messages": m} for m in messages)
+    rendered = (
+        chat_prompt_ids(tokenizer, r["messages"], r.get("tools"), template_kwargs=template_kwargs)
+        for r in records
+    )
     return spread_by_length(rendered, bounds, num_prompts, limit)

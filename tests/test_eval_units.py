@@ -292,6 +292,12 @@ def test_long_prompts_are_spread_over_the_context_buckets():
     ]  # two a bucket, in bucket order; 9000 too long
     tokenizer = build_tokenizer()
     bounds, limit = [256, 1024, 2048], 4096
+    # an agent session holds a listing, search results and a whole file: none fits the shortest bucket
+    agent = long_prompts("long_agent", tokenizer, 8, bounds, limit, {}, 0.05)
+    counts = Counter(bisect.bisect_left([*bounds, limit], len(p)) for p in agent)
+    assert counts[2] == 2 and counts[3] == 2 and sum(counts.values()) == len(agent), counts
+    text = tokenizer.decode(agent[0])
+    assert text.count("<|im_start|>tool") == 3 and text.endswith("<|im_start|>assistant\n")
     for source in ("long_code", "long_chat"):
         prompts = long_prompts(source, tokenizer, 8, bounds, limit, {}, 0.05)
         counts = Counter(bisect.bisect_left([*bounds, limit], len(p)) for p in prompts)

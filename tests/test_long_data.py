@@ -2,7 +2,10 @@
 joined again, standard-library files with a question, and eval's long workloads on the held-out side of
 data_prep's split."""
 
+import itertools
 import json
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -88,12 +91,13 @@ def test_the_data_file_and_its_resolver(tmp_path, monkeypatch):
 def test_eval_measures_long_prompts_none_of_which_data_prep_trains_on():
     """Every prompt of eval's long workloads is on the held-out side of data_prep's split of the same
     conversations (the prompt's hash), so training on the long data never trains an eval prompt."""
-    from eval.long_context import long_chat_messages, long_code_messages
+    from eval.long_context import long_agent_records, long_chat_messages, long_code_messages
 
     code = [m for _, m in zip(range(12), long_code_messages(0.05))]
     chat = [m for _, m in zip(range(12), long_chat_messages(0.05))]
-    assert len(code) == 12 and len(chat) == 12
-    for messages in code + chat:
+    agent = [r["messages"] for _, r in zip(range(6), long_agent_records(0.05))]
+    assert len(code) == 12 and len(chat) == 12 and len(agent) == 6
+    for messages in code + chat + agent:
         assert is_held_out(SimpleNamespace(messages=messages), 0.05)
     trained = [
         r for r in conversations(200) if not is_held_out(SimpleNamespace(messages=r["messages"]), 0.05)
@@ -101,3 +105,26 @@ def test_eval_measures_long_prompts_none_of_which_data_prep_trains_on():
     assert len(trained) > 180
     eval_prompts = {m[0]["content"] for m in code}
     assert not eval_prompts & {r["messages"][0]["content"] for r in trained}
+
+
+def test_an_agent_session_holds_real_tool_results_about_a_real_file():
+    """The agent's calls and the tools' results are what the tools would return on this interpreter's own
+    standard library: the directory's files, every line naming the definition, the file whole."""
+    import sysconfig
+
+    from artifacts.long_data import AGENT_TOOLS, agent_conversations
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    records = list(itertools.islice(agent_conversations(), 20))
+    assert len({r["id"] for r in records}) == 20 and all(r["tools"] == AGENT_TOOLS for r in records)
+    for record in records:
+        user, _, listing, search, found, read, whole = record["messages"]
+        path = root / record["id"].removeprefix("agent/")
+        name = json.loads(search["tool_calls"][0]["function"]["arguments"])["name"]
+        assert f"`{name}`" in user["content"] and re.search(rf"^(def|class) {name}\b", whole["content"], re.M)
+        assert whole["content"] == path.read_text(encoding="utf-8", errors="replace").strip()
+        assert f"{path.name}\t{path.stat().st_size} bytes" in listing["content"].splitlines()
+        hits = found["content"].splitlines()
+        assert hits and all(name in line for line in hits)
+        assert [c["role"] for c in record["messages"]] == ["user"] + ["assistant", "tool"] * 3
+        assert read["tool_calls"][0]["function"]["name"] == "read_file"

@@ -87,6 +87,14 @@ def test_a_server_that_dies_is_reported_with_its_root_cause_and_log(tmp_path):
             "may not write /runs/x/cache",
         ),
         (OSError(errno.ENOSPC, "No space left on device", "/runs/x/cache/shard.tmp"), 1, "no space left"),
+        (  # what rank 0 raised at its barrier when bench.two_nodes killed the other machine
+            RuntimeError(
+                "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                "peer [127.0.0.1]:1940. This is typically caused by a remote worker crashing."
+            ),
+            1,
+            "another process of this distributed job stopped (Connection closed by peer)",
+        ),
     ],
 )
 def test_a_stage_stopped_from_outside_says_so_in_one_line(error, code, line, capsys):
@@ -108,6 +116,13 @@ def test_other_errors_keep_their_traceback():
 
     with pytest.raises(FileNotFoundError):
         main()
+
+    @stage_errors("train")
+    def fails():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        fails()
 
 
 def test_a_run_dir_the_stage_may_not_write_is_one_line(subprocess_env):

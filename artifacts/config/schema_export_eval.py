@@ -79,8 +79,8 @@ class EvalHeadConfig:
 @dataclass
 class WorkloadConfig:
     name: str = checked(MISSING, NON_EMPTY)  # label in reports
-    # chat (held-out prompts) | code (HumanEval) | mtbench (2 turns) | agent | long_chat | long_code (spread
-    # over eval.context_buckets: eval/long_context.py) | a JSONL path
+    # chat (held-out prompts) | code (HumanEval) | mtbench (2 turns) | agent | long_chat | long_code |
+    # long_agent (spread over eval.context_buckets: eval/long_context.py) | a JSONL path
     source: str = MISSING
     num_prompts: int = checked(32, POSITIVE)  # prompts sent per measured run
     max_tokens: int = checked(128, POSITIVE)  # output tokens per request
