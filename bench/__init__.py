@@ -16,6 +16,7 @@ module, `python -m bench.<name> --help`; `make bench` runs the data_prep and tra
     grid.py            train: several recipes on one cache at one budget, ranked by acceptance
     sampling_check.py  serving: does speculative decoding at temperature > 0 keep the target's text
     watch_trial.py     the watch: a head watched on real vLLM servers, then made to fail
+    two_nodes.py       data_prep and train as two machines on this host, one of them lost mid-way
     gpu_check.py       what a lent GPU can prove in one call (docs/gpu.md#the-gpu-check)
 """
 

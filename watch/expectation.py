@@ -25,6 +25,8 @@ from pathlib import Path
 
 from heads.acceptance import AcceptanceCounts, RequestSpread, drafts_per_request, request_spread
 
+OWN_SPREAD_REQUESTS = 10  # a length bucket's requests estimate their own spread from this many on
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -44,10 +46,11 @@ class Measured:
         return request_spread([counts for _, counts in self.requests])
 
     def dispersion(self, members: Sequence[AcceptanceCounts], window: float) -> float:
-        """phi of `members` (requests of this run) at their own lengths, by their own spread (a context-length
-        bucket's requests differ less than the whole run's), else this run's; the window's where nothing was
-        recorded per request."""
-        spread = request_spread(list(members)) or self.spread
+        """phi of `members` (requests of this run) at their own lengths: by their own spread where they are
+        OWN_SPREAD_REQUESTS or more (a context-length bucket's requests differ less than the whole run's),
+        else by this run's; the window's where nothing was recorded per request."""
+        own = request_spread(list(members)) if len(members) >= OWN_SPREAD_REQUESTS else None
+        spread = own or self.spread
         return window if spread is None else spread.dispersion(drafts_per_request(list(members)))
 
     def whole_low(self, q: float, dispersion: float) -> float:
@@ -76,10 +79,11 @@ class Measured:
         if not total:
             return None
         mean = sum(weight * counts.mean_acceptance_length for weight, counts, _ in parts) / total
-        spread = [counts.mean_acceptance_bounds(q, self.dispersion(members, dispersion)) for _, counts, members in parts]  # fmt: skip
-        half = math.sqrt(
-            sum((w / total * (high - low) / 2) ** 2 for (w, _, _), (low, high) in zip(parts, spread))
-        )
+        variance = 0.0
+        for weight, counts, members in parts:
+            low, high = counts.mean_acceptance_bounds(q, self.dispersion(members, dispersion))
+            variance += (weight / total * (high - low) / 2) ** 2
+        half = math.sqrt(variance)
         return mean - half
 
 
@@ -95,8 +99,9 @@ class Expected:
     def band_low(self, q: float, dispersion: float = 1.0, mix: Sequence[tuple[float, float]] = ()) -> float:
         """The bottom of the expected band: the lowest lower bound of L over the workloads measured (q
         standard errors), its drafts as dispersed as its own requests say where eval recorded them, else
-        as the window's (eval's requests are requests like the window's). With a window's length `mix` (`Measured.mix_low`), over the runs that measured every
-        length the window holds; where none did, over whole runs."""
+        as the window's (eval's requests are requests like the window's). With a window's length `mix`
+        (`Measured.mix_low`), over the runs that measured every length the window holds; where none did,
+        over whole runs."""
         mixed = [run.mix_low(q, dispersion, mix) for run in self.runs] if mix else []
         mixed = [low for low in mixed if low is not None]
         if mixed:
