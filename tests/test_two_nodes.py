@@ -24,5 +24,5 @@ def test_two_nodes_lose_one_and_resume_to_the_same_cache_and_head(tmp_path, subp
     for killed in ("prep-killed", "train-killed"):
         assert runs[killed]["exit_codes"] == [1, -9]  # node 0 stopped on its own; node 1 was killed
         log = (out / "logs" / f"{killed}-node0.log").read_text()
-        assert "another process of this distributed job stopped (Connection closed by peer)" in log
+        assert "another process of this distributed job stopped (Connection " in log  # closed or reset
     assert any("resumed from" in line for line in report["resumed"])
