@@ -6,7 +6,7 @@ surviving node did and how long it took to stop, whether any process of either n
 the rerun's outputs equal the uninterrupted run's: the regenerated chunks and cache shards byte for byte, the
 trained head's tensors exactly.
 
-    python -m bench.two_nodes --out runs/two_nodes     (~8 min on a 2-core CPU: the smoke target)
+    python -m bench.two_nodes --out runs/two_nodes     (~5 min on a 2-core CPU: the smoke target)
 
 The smoke target regenerates its answers (experiment=smoke_regen) in chunks of 16 conversations, two per node,
 the hidden states captured by each node's engine in the same pass (capture.engine=vllm); node 1 is killed

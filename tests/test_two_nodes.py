@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import REPO
 
 
-@pytest.mark.slow  # ~6 min on a 2-core CPU: six two-node launches, four of them with vLLM engines
+@pytest.mark.slow  # ~5 min on a 2-core CPU: six two-node launches, three of them with vLLM engines
 def test_two_nodes_lose_one_and_resume_to_the_same_cache_and_head(tmp_path, subprocess_env):
     out = tmp_path / "two_nodes"
     done = subprocess.run([sys.executable, "-m", "bench.two_nodes", "--out", str(out)], cwd=REPO,

@@ -9,6 +9,7 @@ import math
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,12 @@ def test_the_rules_are_the_watchs_decision_for_the_watched_instance(judged):
         'ALERTS{instance="gpu7:8000",alertname=~"' in rules[0]["expr"]
     )  # the way back needs the lower bound
     assert f"{n['itl_q']:.6g}" in rules[2]["expr"] and f"/ {n['itl_dispersion']:.6g})" in rules[2]["expr"]
+    # a threshold above the histogram's last finite bound is never counted: no latency rule, as no verdict
+    far = replace(verdict, numbers={**n, "itl_bound_s": math.inf})
+    assert [r["alert"] for r in alert_rules(expected, far, MODEL)["groups"][0]["rules"]] == [
+        DEGRADED,
+        NET_NEGATIVE,
+    ]
     every = alert_rules(expected, verdict, MODEL)["groups"][0]["rules"]
     assert all("instance=" not in r["expr"].replace("ALERTS{", "") for r in every)
     assert "each judged with the watched server's dispersion" in every[0]["annotations"]["instances"]

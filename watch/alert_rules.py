@@ -99,8 +99,8 @@ def thresholds(verdict: Verdict) -> dict:
         "c": (n["acceptance_high"] - n["mean_acceptance_length"]) * math.sqrt(n["drafts"]),
         "degraded_below": round(n["expected_low"], 4),
         "net_negative_below": None if n.get("break_even") is None else round(n["break_even"], 4),
-        "latency": None
-        if n.get("itl_bound_s") is None
+        "latency": None  # no eval p99, or a threshold above the histogram's last finite bound (never counted)
+        if n.get("itl_bound_s") is None or math.isinf(n["itl_bound_s"])
         else {"bound_s": n["itl_bound_s"], "q": n["itl_q"], "dispersion": n["itl_dispersion"]},
     }
 
