@@ -253,8 +253,7 @@ def publish_dir(
                 os.rename(staging, dest)
             fsync_path(dest.parent)
     except OSError as error:
-        if error.errno == errno.ENOSPC and staging.exists():  # its space given back, and said so
-            shutil.rmtree(staging, ignore_errors=True)
+        if error.errno == errno.ENOSPC and staging.exists():  # its space given back below, and said so
             error.add_note(f"the unfinished {staging} was removed")
         raise
     finally:

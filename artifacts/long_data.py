@@ -100,9 +100,10 @@ def stdlib_files() -> list[Path]:
     )
 
 
-def code_conversations(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[dict]:
-    """A question about each standard-library file (of at most `max_chars` characters), the question
-    chosen by a hash of the file's path, in an order fixed by the same hash (lengths mixed)."""
+def stdlib_sources(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[tuple[int, str, Path, str]]:
+    """(hash, path relative to the stdlib, path, source) of each standard-library file of at most
+    `max_chars` characters (not empty), in an order fixed by the hash of its relative path (lengths mixed);
+    the hash (the sha256's first 32 bits) picks each file's question or task."""
     root = Path(sysconfig.get_paths()["stdlib"])
     keyed = []
     for path in stdlib_files():
@@ -110,9 +111,15 @@ def code_conversations(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[dict]
         keyed.append((hashlib.sha256(name.encode()).hexdigest(), name, path))
     for digest, name, path in sorted(keyed):
         source = path.read_text(encoding="utf-8", errors="replace").strip()
-        if not source or (max_chars is not None and len(source) > max_chars):
-            continue
-        question = QUESTIONS[int(digest[:8], 16) % len(QUESTIONS)]
+        if source and (max_chars is None or len(source) <= max_chars):
+            yield int(digest[:8], 16), name, path, source
+
+
+def code_conversations(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[dict]:
+    """A question about each standard-library file (of at most `max_chars` characters), the question
+    chosen by a hash of the file's path, in an order fixed by the same hash (`stdlib_sources`)."""
+    for digest, name, _, source in stdlib_sources(max_chars):
+        question = QUESTIONS[digest % len(QUESTIONS)]
         yield {
             "id": f"stdlib/{name}",
             "messages": [{"role": "user", "content": question.format(source=source)}],
@@ -160,14 +167,10 @@ def agent_conversations(max_chars: int | None = MAX_CODE_CHARS) -> Iterator[dict
     read whole - ending where the agent answers. Real files and real search results, in the order of
     `code_conversations`; OpenAI-style records with their `tools`."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    for record in code_conversations(max_chars):
-        name = record["id"].removeprefix("stdlib/")
-        path = root / name
-        source = path.read_text(encoding="utf-8", errors="replace").strip()
+    for digest, name, path, source in stdlib_sources(max_chars):
         definitions = DEFINITION.findall(source)
         if not definitions:
             continue
-        digest = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
         target = definitions[digest % len(definitions)]
         folder = path.parent
         files = folder_files(folder)

@@ -126,8 +126,8 @@ def workload_prompts(
     """The first `num_prompts` items of a workload: prompts as token ids ending in the generation prompt,
     or for `mtbench` conversations (num_prompts counts conversations, at most 80, each sending 2 requests:
     a run's request count is twice its conversations). `template_kwargs`: the chat template's, as served.
-    `long_chat` / `long_code` / `long_agent` (eval/long_context.py) spread over the context buckets: `long` holds their
-    `bounds`, the longest prompt `limit` and the split's `eval_fraction`."""
+    `long_chat` / `long_code` / `long_agent` (eval/long_context.py) spread over the context buckets: `long`
+    holds their `bounds`, the longest prompt `limit` and the split's `eval_fraction`."""
     kwargs = dict(template_kwargs or {})
     if source in LONG_SOURCES:
         return long_prompts(source, tokenizer, num_prompts, long["bounds"], long["limit"], kwargs,
@@ -153,8 +153,8 @@ def workload_prompts(
         path = Path(source)
         if not path.exists():
             raise ValueError(
-                f"workload source {source!r}: not chat, code, mtbench, agent, long_chat, long_code, long_agent or an "
-                "existing JSONL file"
+                f"workload source {source!r}: not chat, code, mtbench, agent, long_chat, long_code, "
+                "long_agent or an existing JSONL file"
             )
         conversations = read_conversations(path)
     if not conversations:
