@@ -3,7 +3,8 @@ after a base-model upgrade, then after the retrain the watch itself prescribed.
 
     python -m bench.watch_trial                       # runs/smollm2's head; results in runs/watch_trial
     python -m bench.watch_trial --windows 30 --interval-s 20 --k 2 --run-dir runs/smollm2 --out runs/watch_trial
-    python -m bench.watch_trial --max-tokens 512 --concurrency 4 --out runs/watch_trial_long   # long answers
+    python -m bench.watch_trial --max-tokens 512 --concurrency 4 --windows 10 --upgrade-windows 10 \
+        --restart-k 3 --phases upgrade --out runs/watch_trial_long   # long answers, a restart, no retrain
     python -m bench.watch_trial --experiment smoke_regen --run-dir runs/smoke_long --head-name head --k 3 \
         --max-tokens 512 --phases before --traffic heldout --out runs/watch_smoke_long   # the smoke run
 
@@ -18,6 +19,13 @@ after a base-model upgrade, then after the retrain the watch itself prescribed.
    wrote (the questions with the answers served), train warm-started from the head, export, eval - run as
    printed, each with its log in the trial directory.
 4. after: the retrained head on the new checkpoint, judged against its own eval, `--windows` windows.
+
+With `--restart-k K` the before phase restarts its server with K drafts after its `--windows` windows (the
+traffic paused, the same port) and watches `--restart-windows` more: the watch must say `restarted` with
+k=K on its first scrape of the new server and judge on against the record at K. Besides the verdicts, each
+phase counts its windows below the head's band (acceptance alone, whatever the speed verdict: where eval
+measured the head slower than the baseline, as at concurrency 4 on a 2-core CPU, every window is rightly
+`net-negative`, and the upgrade shows as the first window below the band: the retrain printed).
 
 Every phase's summary goes to <out>/trial.json as it finishes; a rerun skips the finished phases and
 retrain commands (each stage resumes its own work), so an interrupted trial continues where it stopped.
@@ -34,7 +42,9 @@ import logging
 import shlex
 import subprocess
 import sys
+import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from artifacts.config import compose
@@ -73,9 +83,59 @@ def below_band_if_independent(record: dict, expected, z: float) -> bool:
     return counts.mean_acceptance_bounds(z)[1] < expected.band_low(z)
 
 
+def read_timeline(path: Path) -> list[dict]:
+    """The watch's timeline records so far ([] before its first)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
 def judged(records: list[dict]) -> list[dict]:
     """The timeline's judged windows: not a window still growing, nor a restart, an outage or an idle one."""
     return [r for r in records if "acceptance_low" in r and not r.get("window_open")]
+
+
+def below_band(record: dict) -> bool:
+    """Whether a judged window's acceptance lies below the head's band (upper bound under its low edge):
+    the watch's retrain signal, whatever its speed verdict."""
+    return record["acceptance_high"] < record["expected_low"]
+
+
+def first_alarm(records: list[dict], alarmed, started_s: float) -> dict | None:
+    """The first judged window for which `alarmed(record)` holds: its number, verdict, reason and the
+    requests and seconds from `started_s` (the traffic's start) to it; None when none."""
+    windows = judged(records)
+    first = next((i for i, r in enumerate(windows) if alarmed(r)), None)
+    if first is None:
+        return None
+    return {
+        "window": first + 1,
+        "verdict": windows[first]["verdict"],
+        "reason": windows[first]["reason"],
+        "requests_since_switch": sum(r["requests"] for r in windows[: first + 1]),
+        "seconds_since_switch": round(windows[first]["time"] - started_s, 1),
+        "actions": windows[first]["actions"],
+    }
+
+
+def restart_seen(records: list[dict], stopped_s: float, answered_s: float, k: int) -> dict:
+    """How the watch saw a restart: the server stopped at `stopped_s` and answered again at `answered_s`
+    with `k` drafts; its first `restarted` record after the stop (seconds after the answer, the k it read)
+    and the verdicts of the judged windows after it."""
+    seen = next((r for r in records if r["verdict"] == "restarted" and r["time"] >= stopped_s), None)
+    after = judged([r for r in records if seen is not None and r["time"] > seen["time"]])
+    return {
+        "k": k,
+        "down_s": round(answered_s - stopped_s, 1),
+        "down_records": sum(r["verdict"] == "down" and r["time"] >= stopped_s for r in records),
+        "seen": seen is not None,
+        "seen_k": seen.get("k") if seen else None,
+        "seen_after_answer_s": round(seen["time"] - answered_s, 1) if seen else None,
+        "reason": seen["reason"] if seen else None,
+        "windows_after": len(after),
+        "verdicts_after": dict(collections.Counter(r["verdict"] for r in after)),
+        "below_band_after": sum(below_band(r) for r in after),
+    }
 
 
 class Trial:
@@ -129,14 +189,18 @@ class Trial:
         self.summary[phase] = summary
         self.summary_path.write_text(json.dumps(self.summary, indent=2))
 
-    def serve_and_watch(self, phase: str, run_dir: str, target: str | None, windows: int) -> dict:
-        """Serve `run_dir`'s head on `target` (None: its own), send traffic, watch `windows` windows."""
+    def serve_and_watch(
+        self, phase: str, run_dir: str, target: str | None, windows: int, restart_k: int | None = None
+    ) -> dict:
+        """Serve `run_dir`'s head on `target` (None: its own), send traffic, watch `windows` windows (with
+        `restart_k`: then restart the server at that k and watch `--restart-windows` more)."""
         args = self.args
+        total = windows + (args.restart_windows if restart_k else 0)
         watch_overrides = [
             *self.overrides,
             f"run_dir={run_dir}",
             f"watch.interval_s={args.interval_s}",
-            f"watch.windows={windows}",
+            f"watch.windows={total}",
             f"watch.out_dir={self.out / phase}",
             f"watch.traffic={self.traffic_log.resolve()}",
             *([f"watch.target={target}"] if target else []),
@@ -144,69 +208,110 @@ class Trial:
         cfg = compose("config", watch_overrides)
         served = target or str(target_dir(cfg.target))
         served_cfg = compose("config", [*self.overrides, f"run_dir={run_dir}", f"target.path={served}"])
-        head = next(
-            c
-            for c in server_configs(served_cfg, Path(run_dir), load_config(served_cfg.target))
-            if c["head"] and c["k"] == args.k
-        )
+        configs = server_configs(served_cfg, Path(run_dir), load_config(served_cfg.target))
+
+        def server(k: int, log_name: str, port: int | None = None) -> VllmServer:
+            head = next((c for c in configs if c["head"] and c["k"] == k), None)
+            if head is None:
+                raise SystemExit(f"k={k}: {run_dir}'s eval.heads do not serve {args.head_name} at k={k}")
+            return VllmServer(
+                served, self.out / log_name, dict(cfg.eval.server_args), head["speculative_config"],
+                port=port, startup_timeout_s=cfg.eval.startup_timeout_s,
+            )  # fmt: skip
+
         timeline = self.out / phase / "timeline.jsonl"
         timeline.unlink(missing_ok=True)  # an interrupted phase is redone whole
         start = self.summary.get("traffic_position", 0)
+        tokenizer = load_tokenizer(served_cfg.target)
         log.info("%s: serving %s on %s at k=%d", phase, run_dir, served, args.k)
-        with VllmServer(
-            served, self.out / f"{phase}_server.log", dict(cfg.eval.server_args), head["speculative_config"],
-            startup_timeout_s=cfg.eval.startup_timeout_s,
-        ) as server:  # fmt: skip
-            url = server.url
-            tokenizer = load_tokenizer(served_cfg.target)
-            with Traffic(
-                url, served, tokenizer, self.conversations, self.traffic_log, start=start,
-                concurrency=args.concurrency, max_tokens=args.max_tokens,
-            ) as traffic:  # fmt: skip
-                status = watch(
-                    compose("config", [*watch_overrides, f"watch.url={url}"]),
-                    [*watch_overrides, f"watch.url={url}"],
-                )
-        records = judged([json.loads(line) for line in timeline.open()])
-        verdicts = collections.Counter(r["verdict"] for r in records)
+        restart = None
+        with ExitStack() as stack:
+            first = stack.enter_context(server(args.k, f"{phase}_server.log"))
+            url = first.url
+
+            def traffic_from(position: int) -> Traffic:
+                return stack.enter_context(
+                    Traffic(
+                        url, served, tokenizer, self.conversations, self.traffic_log, start=position,
+                        concurrency=args.concurrency, max_tokens=args.max_tokens,
+                    )
+                )  # fmt: skip
+
+            traffic = traffic_from(start)
+            started_s, sent, failed = traffic.started_s, 0, 0
+            done: dict = {}
+
+            def run_watch() -> None:
+                try:
+                    done["status"] = watch(
+                        compose("config", [*watch_overrides, f"watch.url={url}"]),
+                        [*watch_overrides, f"watch.url={url}"],
+                    )
+                except BaseException as error:  # raised again in this thread
+                    done["error"] = error
+
+            watcher = threading.Thread(target=run_watch, name="watch", daemon=True)
+            watcher.start()
+            if restart_k:
+                while watcher.is_alive() and len(judged(read_timeline(timeline))) < windows:
+                    time.sleep(1.0)
+                if watcher.is_alive():
+                    log.info("%s: restarting the server at k=%d after %d windows", phase, restart_k, windows)
+                    traffic.stop()  # after its batch in flight: nothing sent to a stopped server
+                    sent, failed = traffic.requests, traffic.failed
+                    stopped_s = time.time()
+                    first.stop()
+                    stack.enter_context(server(restart_k, f"{phase}_server_k{restart_k}.log", first.port))
+                    answered_s = time.time()
+                    traffic = traffic_from(traffic.position)
+                    restart = (stopped_s, answered_s)
+            watcher.join()
+            if "error" in done:
+                raise done["error"]
+            status = done["status"]
+        sent, failed = sent + traffic.requests, failed + traffic.failed
+        records = read_timeline(timeline)
+        windows_judged = judged(records)
+        verdicts = collections.Counter(r["verdict"] for r in windows_judged)
         expected = expected_from_results(
             Path(run_dir) / "eval" / "results.json", args.head_name, args.k, cfg.watch.temperature
         )
-        first = next((i for i, r in enumerate(records) if r["verdict"] != "healthy"), None)
         summary = {
             "run_dir": run_dir,
             "target": served,
             "k": args.k,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
-            "windows": len(records),
-            "window_seconds": [round(r["seconds"]) for r in records],
+            "windows": len(windows_judged),
+            "window_seconds": [round(r["seconds"]) for r in windows_judged],
             "verdicts": dict(verdicts),
             "exit_status": status,
-            "mean_acceptance_length": [round(r["mean_acceptance_length"], 3) for r in records],
-            "dispersion": [round(r["dispersion"], 1) for r in records],
+            "mean_acceptance_length": [round(r["mean_acceptance_length"], 3) for r in windows_judged],
+            "dispersion": [round(r["dispersion"], 1) for r in windows_judged],
+            "below_band": sum(below_band(r) for r in windows_judged),
             # what the watch would have said had it taken the drafts as independent (dispersion 1)
             "below_band_if_independent": sum(
-                below_band_if_independent(r, expected, cfg.watch.z) for r in records
+                below_band_if_independent(r, expected, cfg.watch.z)
+                for r in windows_judged
+                if not restart or r["time"] < restart[0]  # the windows at --k
             ),
-            "expected_low": records[0].get("expected_low"),
-            "break_even": records[0].get("break_even"),
-            "requests_sent": traffic.requests,
-            "failed": traffic.failed,
-            "seconds": round(records[-1]["time"] - traffic.started_s, 1),
+            "expected_low": windows_judged[0].get("expected_low"),
+            "break_even": windows_judged[0].get("break_even"),
+            "requests_sent": sent,
+            "failed": failed,
+            "seconds": round(windows_judged[-1]["time"] - started_s, 1),
         }
-        if first is not None:
-            summary["first_not_healthy"] = {
-                "window": first + 1,
-                "verdict": records[first]["verdict"],
-                "reason": records[first]["reason"],
-                "requests_since_switch": sum(r["requests"] for r in records[: first + 1]),
-                "seconds_since_switch": round(records[first]["time"] - traffic.started_s, 1),
-                "actions": records[first]["actions"],
-            }
+        for key, alarmed in (
+            ("first_not_healthy", lambda r: r["verdict"] != "healthy"),
+            ("first_below_band", below_band),
+        ):
+            if found := first_alarm(records, alarmed, started_s):
+                summary[key] = found
+        if restart:
+            summary["restart"] = restart_seen(records, *restart, restart_k)
         self.summary["traffic_position"] = traffic.position
         self.save(phase, summary)
-        log.info("%s: %s", phase, json.dumps({k: v for k, v in summary.items() if k != "first_not_healthy"}))
+        log.info("%s: %s", phase, json.dumps({k: v for k, v in summary.items() if not k.startswith("first")}))
         return summary
 
     def retrain(self, commands: list[str]) -> dict:
@@ -234,12 +339,17 @@ class Trial:
     def run(self) -> dict:
         args = self.args
         if "before" not in self.summary:
-            self.serve_and_watch("before", args.run_dir, None, args.windows)
+            self.serve_and_watch("before", args.run_dir, None, args.windows, args.restart_k)
         if args.phases == "before":
             return self.summary
         if "upgrade" not in self.summary:
             self.serve_and_watch("upgrade", args.run_dir, self.upgraded_target(), args.upgrade_windows)
-        switched = self.summary["upgrade"].get("first_not_healthy")
+        if args.phases == "upgrade":
+            return self.summary
+        # the retrain is printed at the first window below the band (a head judged net-negative before the
+        # upgrade, as eval measured it, prints it there), else at the first alarm
+        upgrade = self.summary["upgrade"]
+        switched = upgrade.get("first_below_band") or upgrade.get("first_not_healthy")
         if switched is None:
             log.warning("the old head stayed healthy on the new checkpoint: nothing to retrain")
             return self.summary
@@ -322,8 +432,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="the traffic's answer length")
     parser.add_argument("--concurrency", type=int, default=1, help="requests the traffic keeps in flight")
     parser.add_argument(
-        "--phases", choices=("all", "before"), default="all", help="before: the false-alarm phase alone"
-    )
+        "--phases", choices=("all", "before", "upgrade"), default="all",
+        help="before: the false-alarm phase alone; upgrade: before and upgrade, no retrain",
+    )  # fmt: skip
+    parser.add_argument(
+        "--restart-k", type=int, default=None,
+        help="restart the before phase's server with this k after its windows (the watch must see it)",
+    )  # fmt: skip
+    parser.add_argument("--restart-windows", type=int, default=2, help="windows watched after the restart")
     parser.add_argument(
         "--traffic", choices=("unseen", "heldout"), default="unseen",
         help="unseen: the data source's questions after the run's; heldout: the run's held-out ones, repeated",

@@ -40,6 +40,8 @@ class Stub(LocalServer):
         self.models = models if models is not None else [{"id": model, "root": model}]
         self.last, self.scrapes, self.down = time.time(), 0, ()  # `down`: scrape numbers answered 503
         self.restart_at = None  # the scrape at which a new server process, already past the old one, answers
+        self.concurrency = 1.0  # requests in flight
+        self.switch = None  # (scrape, conditional): the acceptance from that scrape on
 
     def __enter__(self):
         stub = self
@@ -48,13 +50,17 @@ class Stub(LocalServer):
             def do_GET(self):
                 if self.path == "/metrics":
                     stub.scrapes += 1
+                    if stub.switch and stub.scrapes == stub.switch[0]:
+                        stub.conditional = stub.switch[1]
                     if stub.scrapes == stub.restart_at:
                         stub.server = Server(seed=9, started=1.8e9).serve(1.0, 40000)
                     if stub.scrapes in stub.down:
                         self.send_error(503)
                         return
-                    now = time.time()  # in flight all along: concurrency 1 by Little's law
-                    stub.server.serve(now - stub.last, 800, conditional=stub.conditional)
+                    now = time.time()  # in flight all along: `concurrency` by Little's law
+                    stub.server.serve(
+                        now - stub.last, 800, conditional=stub.conditional, concurrency=stub.concurrency
+                    )
                     stub.last = now
                     body = stub.server.metrics() if stub.vllm else "# TYPE up gauge\nup 1.0\n"
                 elif self.path == "/v1/models":
@@ -149,6 +155,30 @@ def test_several_windows_until_the_count(tmp_path, head, results):  # noqa: F811
         assert watch(cfg) == 0
     lines = (head.parent / "watch" / "timeline.jsonl").read_text().splitlines()
     assert [json.loads(line)["verdict"] for line in lines] == ["healthy"] * 5
+
+
+def test_a_net_negative_head_that_falls_below_its_band_is_told_to_retrain(tmp_path, head, results):  # noqa: F811
+    # At concurrency 4 eval measured the head at 0.85x: net-negative from the first window, as measured (turn
+    # it off). After a base upgrade its acceptance collapses: the verdict stays net-negative, and the
+    # retrain is said then, at the first window below the band, not only at the verdict's first window.
+    with Stub() as stub:
+        stub.concurrency = 4.0
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                     "watch.windows=4", f"watch.target={MODEL}")  # fmt: skip
+        stub.switch = (42, [0.02, 0.02])  # after the baseline and two windows of 20 scrapes
+        assert watch(cfg, ["experiment=smoke", f"watch.target={MODEL}"]) == 2
+    records = [
+        json.loads(line) for line in (head.parent / "watch" / "timeline.jsonl").read_text().splitlines()
+    ]
+    assert [r["verdict"] for r in records] == ["net-negative"] * 4
+    below = [r["acceptance_high"] < r["expected_low"] for r in records]
+    assert below[:2] == [False, False] and below[-1]
+    said = [len(r["actions"]) for r in records]
+    first_below = below.index(True)
+    assert said[0] == 1 and records[0]["actions"][0].startswith("vllm serve ")  # turn it off
+    assert said[1:first_below] == [0] * (first_below - 1)  # said once
+    assert said[first_below] == 5 and "train.init_from=" in records[first_below]["actions"][2]
+    assert all(n == 0 for n in said[first_below + 1 :])
 
 
 def test_without_eval_results_verification_is_the_record(tmp_path, head, caplog):

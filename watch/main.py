@@ -291,7 +291,7 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
         wandb_run = wandb.init(
             project=settings.wandb_project, mode=settings.wandb_mode, dir=str(out_dir), job_type="watch"
         )
-    status, windows, down_since = 0, 0, None
+    status, windows, down_since, said = 0, 0, None, []
     try:
         while True:
             time.sleep(settings.interval_s / settings.subwindows)
@@ -319,11 +319,12 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
                 check_server(settings.url, target)  # after a restart, the same model (else: bad input)
                 model = next(iter(snapshot.model_names), model)
             judged = not verdict.numbers.get("window_open")
-            todo = (
-                actions(verdict, cfg, head_dir, list(overrides))
-                if judged and verdict.name != previous
-                else []
-            )
+            todo = actions(verdict, cfg, head_dir, list(overrides)) if judged else []
+            if verdict.name == previous and todo == said:
+                todo = []  # said already
+            elif verdict.name not in ("idle", "insufficient", "unmeasured"):
+                said = todo  # said again when the verdict or what to do changes: a head judged
+                # net-negative (as eval measured it at a concurrency) that also falls below its band
             emit(verdict, out_dir, wandb_run, todo)
             if judged and "acceptance_low" in verdict.numbers:
                 write_rules(out_dir, watcher.expected, verdict, model, instance)
