@@ -144,9 +144,10 @@ class Trial:
         self.out.mkdir(parents=True, exist_ok=True)
         self.summary_path = self.out / "trial.json"
         self.summary = json.loads(self.summary_path.read_text()) if self.summary_path.exists() else {}
+        served_k = ",".join(str(k) for k in sorted({args.k, args.restart_k or args.k}))
         self.overrides = [
             f"experiment={args.experiment}",
-            f"eval.heads=[{{name:{args.head_name},num_speculative_tokens:[{args.k}]}}]",
+            f"eval.heads=[{{name:{args.head_name},num_speculative_tokens:[{served_k}]}}]",
             *NARROW_EVAL,
         ]
         base = compose("config", [*self.overrides, f"run_dir={args.run_dir}"])

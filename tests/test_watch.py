@@ -41,6 +41,7 @@ class Stub(LocalServer):
         self.last, self.scrapes, self.down = time.time(), 0, ()  # `down`: scrape numbers answered 503
         self.restart_at = None  # the scrape at which a new server process, already past the old one, answers
         self.concurrency = 1.0  # requests in flight
+        self.restart_k = 2  # the new server process' k
         self.switch = None  # (scrape, conditional): the acceptance from that scrape on
 
     def __enter__(self):
@@ -53,7 +54,9 @@ class Stub(LocalServer):
                     if stub.switch and stub.scrapes == stub.switch[0]:
                         stub.conditional = stub.switch[1]
                     if stub.scrapes == stub.restart_at:
-                        stub.server = Server(seed=9, started=1.8e9).serve(1.0, 40000)
+                        stub.server = Server(seed=9, started=1.8e9, k=stub.restart_k).serve(
+                            1.0, 40000, conditional=stub.conditional
+                        )
                     if stub.scrapes in stub.down:
                         self.send_error(503)
                         return
@@ -224,6 +227,19 @@ def test_an_outage_and_a_restart_are_verdicts_and_the_watch_goes_on(tmp_path, he
         assert watch(cfg) == 0
     names = [json.loads(line)["verdict"] for line in (head.parent / "watch" / "timeline.jsonl").open()]
     assert names == ["healthy", "down", "restarted", "healthy"]
+
+    # restarted with another k: said on its first answer, and judged against the record at that k (this
+    # record has none at k=3)
+    with Stub() as stub:
+        stub.down = range(25, 35)
+        stub.restart_at = 35
+        stub.restart_k, stub.switch = 3, (35, [*MEASURED, 0.05])
+        cfg = config(tmp_path, head, stub.url, f"watch.results={results}", "watch.eval_head=peagle",
+                     "watch.windows=2", f"watch.out_dir={tmp_path / 'k3'}")  # fmt: skip
+        assert watch(cfg) == 3  # could not judge
+    records = [json.loads(line) for line in (tmp_path / "k3" / "timeline.jsonl").open()]
+    assert [r["verdict"] for r in records[:4]] == ["healthy", "down", "restarted", "unmeasured"]
+    assert records[2]["k"] == 3 and "drafting k=3 (it drafted k=2)" in records[2]["reason"]
 
     with Stub() as stub:
         stub.restart_at = 25

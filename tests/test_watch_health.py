@@ -28,11 +28,11 @@ class Server:
     requests of `request_rounds` verify rounds, one after another (at `concurrency`, each lasts that many
     times longer)."""
 
-    def __init__(self, seed=0, speculating=True, request_rounds=40, started=1.7e9):
+    def __init__(self, seed=0, speculating=True, request_rounds=40, started=1.7e9, k=2):
         self.rng = random.Random(seed)
         self.speculating, self.request_rounds, self.started = speculating, request_rounds, started
         self.drafts = self.accepted = self.generated = self.requests = self.rounds = 0
-        self.per_pos = [0, 0]
+        self.per_pos = [0] * k
         self.itl = [0] * (len(ITL_BUCKETS) + 1)  # cumulative counts per bucket, +Inf last
         self.e2e = [0] * (len(ITL_BUCKETS) + 1)
         self.itl_sum = self.e2e_sum = 0.0
@@ -85,7 +85,7 @@ class Server:
         counter("vllm:request_success", self.requests, ',finished_reason="length"')
         if self.speculating:
             counter("vllm:spec_decode_num_drafts", self.drafts)
-            counter("vllm:spec_decode_num_draft_tokens", 2 * self.drafts)
+            counter("vllm:spec_decode_num_draft_tokens", len(self.per_pos) * self.drafts)
             counter("vllm:spec_decode_num_accepted_tokens", self.accepted)
             lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
             for i, value in enumerate(self.per_pos):

@@ -308,7 +308,9 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
                 continue
             previous = watcher.previous  # the last judged verdict, before this scrape
             if down_since is not None:
-                verdict = Verdict("restarted", f"the server answers again after {time.time() - down_since:.0f} s down: a new baseline from this scrape", {"k": snapshot.k})  # fmt: skip
+                last = watcher.scrapes[-1] if watcher.scrapes else watcher.before
+                drafts = f", drafting k={snapshot.k} (it drafted k={last.k})" if last.k != snapshot.k else ""
+                verdict = Verdict("restarted", f"the server answers again after {time.time() - down_since:.0f} s down{drafts}: a new baseline from this scrape", {"k": snapshot.k})  # fmt: skip
                 down_since = None
                 watcher.baseline(snapshot)
             else:
