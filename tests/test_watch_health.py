@@ -219,6 +219,21 @@ def test_below_break_even_is_net_negative_at_the_observed_concurrency(results):
     assert busy[0].numbers["break_even"] > expected.band_low(3.0)
 
 
+def test_net_negative_stays_until_the_lower_bound_is_back_above_break_even(results):
+    """At concurrency 4 eval measured 0.85x (break-even ~1.64). Windows whose bounds straddle break-even do
+    not flip the verdict back to healthy (on the long-answer trial every other window did): only a window
+    whose lower bound clears it does."""
+    expected = expected_from_results(results, "peagle", 2)
+    busy = {"concurrency": 4.0}
+    straddling = {"concurrency": 4.0, "conditional": [0.55, 0.16]}  # L ~1.64: the bounds straddle it
+    paying = {"concurrency": 4.0, "conditional": [0.75, 0.30]}  # L ~1.98
+    verdicts = timeline(Server(), expected, [(2, busy), (3, straddling), (2, paying), (2, straddling)])
+    assert [v.name for v in verdicts] == ["net-negative"] * 5 + ["healthy"] * 4
+    break_even = verdicts[0].numbers["break_even"]
+    assert all(v.numbers["acceptance_low"] < break_even < v.numbers["acceptance_high"] for v in verdicts[2:5])
+    assert all(v.numbers["acceptance_low"] < break_even < v.numbers["acceptance_high"] for v in verdicts[7:])
+
+
 def test_a_slow_drift_is_caught_after_it_crosses_the_band_not_before(results):
     expected = expected_from_results(results, "peagle", 2)
     band = expected.band_low(3.0)

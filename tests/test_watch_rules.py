@@ -86,10 +86,10 @@ ITL = "vllm:inter_token_latency_seconds"
 
 
 def replicas(verdict) -> list[dict]:
-    """Four replicas scraped every 15 s for 30 minutes, 800 verify rounds a minute: "a" serves as measured;
+    """Five replicas scraped every 15 s for 30 minutes, 800 verify rounds a minute: "a" serves as measured;
     "b" collapses after 10 minutes; "c" slows down after 10 minutes (80-ms tokens); "d" collapses after 5
     minutes, comes back half-way after 12 (its acceptance L - c / sqrt(n) below the band, L + c / sqrt(n)
-    above it) and fully after 22 (its lower bound above the band)."""
+    above it) and fully after 22 (its lower bound above the band); "e" likewise around break-even."""
     t = thresholds(verdict)
     se = t["c"] / math.sqrt(800)  # the bounds' half-width over a minute's drafts
 
@@ -106,10 +106,16 @@ def replicas(verdict) -> list[dict]:
             return {"conditional": rates(t["degraded_below"] - 0.3 * se)}
         if instance == "d" and minutes > 22:
             return {"conditional": rates(t["degraded_below"] + 2.5 * se)}
+        if instance == "e" and 5 < minutes <= 12:
+            return {"conditional": [0.02, 0.02]}  # well below break-even (L + c / sqrt(n) ~1.12 < 1.16)
+        if instance == "e" and 12 < minutes <= 22:
+            return {"conditional": rates(t["net_negative_below"] + 0.3 * se)}
+        if instance == "e" and minutes > 22:
+            return {"conditional": rates(t["net_negative_below"] + 2.5 * se)}
         return {}
 
     inputs = []
-    for instance in "abcd":
+    for instance in "abcde":
         server, rows = Server(seed=ord(instance)), []
         for step in range(121):
             server.serve(15.0, 200, **served(instance, step))
@@ -174,20 +180,28 @@ def test_prometheus_checks_the_rules_and_fires_them_as_the_watch_would(judged, t
             at(4, DEGRADED),
             at(4, NET_NEGATIVE),
             at(4, LATENCY),
-            at(9, DEGRADED, "d"),
+            at(9, DEGRADED, "d", "e"),
+            at(9, NET_NEGATIVE, "d", "e"),
             at(9, LATENCY),
-            at(19, NET_NEGATIVE, "b"),
+            at(19, NET_NEGATIVE, "b", "e"),  # e half-way back above break-even: still firing
             at(19, LATENCY, "c"),
-            at(19, DEGRADED, "b", "d"),  # d half-way back: its upper bound above the band, still firing
-            at(29, DEGRADED, "b"),  # d fully back: resolved
+            at(19, DEGRADED, "b", "d", "e"),  # d half-way back: its upper bound above the band, still firing
+            at(29, DEGRADED, "b", "e"),  # d fully back: resolved; e above break-even, still below the band
+            at(29, NET_NEGATIVE, "b"),  # e's lower bound above break-even: resolved
         ],  # fmt: skip
-        # at 19 minutes d's upper bound alone is above the band: only the hysteresis keeps it firing
+        # at 19 minutes d's upper bound alone is above the band, e's above break-even: only the hysteresis
+        # keeps them firing
         [
             {
                 "expr": f'({upper} > bool {t["degraded_below"]}) and on (instance) {ITL}_count{{instance="d"}}',
                 "eval_time": "19m",
                 "exp_samples": [{"labels": '{instance="d"}', "value": 1}],
-            }
+            },
+            {
+                "expr": f'({upper} > bool {t["net_negative_below"]}) and on (instance) {ITL}_count{{instance="e"}}',
+                "eval_time": "19m",
+                "exp_samples": [{"labels": '{instance="e"}', "value": 1}],
+            },
         ],  # fmt: skip
     )
 

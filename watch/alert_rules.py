@@ -12,7 +12,8 @@ dispersion and per-draft variance):
 - SpeculativeHeadDegraded: L + c / sqrt(n) < band, or - as the watch, which stays `degraded` until its
   lower bound is back in the band - L - c / sqrt(n) < band while this or the net-negative alert fires
   (Prometheus' own ALERTS series);
-- SpeculativeHeadNetNegative: L + c / sqrt(n) < break-even at the window's observed concurrency;
+- SpeculativeHeadNetNegative: L + c / sqrt(n) < break-even at the window's observed concurrency, or - as the
+  watch - L - c / sqrt(n) < break-even while it fires;
 - SpeculativeHeadLatency: the share of inter-token latencies above the watch's threshold (eval's p99 x (1 +
   margin), counted above the histogram bucket the watch counts above), its Wilson lower bound at the
   watch's t quantile over drafts as dispersed as the window's batches say, above 1%;
@@ -129,24 +130,27 @@ def alert_rules(expected: Expected, verdict: Verdict, model: str, instance: str 
             "annotations": {"summary": summary, **source},
         }
 
-    firing = ",".join(
-        ([f'instance="{instance}"'] if instance else [])
-        + [f'alertname=~"{DEGRADED}|{NET_NEGATIVE}"', 'alertstate="firing"']
-    )
+    def firing(alerts: str) -> str:  # Prometheus' ALERTS series of the watched instance's firing `alerts`
+        labels = [f'instance="{instance}"'] if instance else []
+        return ",".join([*labels, f'alertname=~"{alerts}"', 'alertstate="firing"'])
+
     band = t["degraded_below"]
     rules = [
         rule(
             DEGRADED,
-            f"({upper} < {band} {enough}) or ({lower} < {band} {enough} and on (instance) ALERTS{{{firing}}})",
+            f"({upper} < {band} {enough}) or "
+            f"({lower} < {band} {enough} and on (instance) ALERTS{{{firing(f'{DEGRADED}|{NET_NEGATIVE}')}}})",
             "warning",
             "draft head accepts less than it was measured to: retrain it on current traffic",
         )
     ]
     if t["net_negative_below"] is not None:
+        even = t["net_negative_below"]
         rules.append(
             rule(
                 NET_NEGATIVE,
-                f"{upper} < {t['net_negative_below']} {enough}",
+                f"({upper} < {even} {enough}) or "
+                f"({lower} < {even} {enough} and on (instance) ALERTS{{{firing(NET_NEGATIVE)}}})",
                 "critical",
                 "speculation makes serving slower than without it: turn it off",
             )

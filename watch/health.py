@@ -221,7 +221,9 @@ def judge(
         }
     break_even = expected.break_even(current.concurrency)
     numbers.update(acceptance_low=low, acceptance_high=high, expected_low=band, break_even=break_even, q=q)
-    if break_even is not None and high < break_even:
+    # once net-negative, it stays so until the lower bound is back above break-even (as `degraded` below):
+    # a head that does not pay, judged on windows too noisy to show it every time, is not said to pay
+    if break_even is not None and (high < break_even or (previous == "net-negative" and low < break_even)):
         return Verdict(
             "net-negative",
             f"acceptance {counts.mean_acceptance_length:.3f} (<= {high:.3f}) below break-even {break_even:.3f} "
