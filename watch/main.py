@@ -322,11 +322,11 @@ def watch(cfg: DictConfig, overrides: list[str] = ()) -> int:
                 model = next(iter(snapshot.model_names), model)
             judged = not verdict.numbers.get("window_open")
             todo = actions(verdict, cfg, head_dir, list(overrides)) if judged else []
-            if verdict.name == previous and todo == said:
+            if verdict.name == previous and set(todo) <= set(said):
                 todo = []  # said already
             elif verdict.name not in ("idle", "insufficient", "unmeasured"):
-                said = todo  # said again when the verdict or what to do changes: a head judged
-                # net-negative (as eval measured it at a concurrency) that also falls below its band
+                said = todo  # said again when the verdict changes or something is added to do: a head
+                # judged net-negative (as eval measured it at a concurrency) that also falls below its band
             emit(verdict, out_dir, wandb_run, todo)
             if judged and "acceptance_low" in verdict.numbers:
                 write_rules(out_dir, watcher.expected, verdict, model, instance)
