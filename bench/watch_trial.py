@@ -415,31 +415,21 @@ def plot(out: Path) -> Path | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--run-dir", default="runs/smollm2", help="the run whose head is watched (its eval done)"
-    )
+    parser.add_argument("--run-dir", default="runs/smollm2", help="the run whose head is watched (eval done)")
     parser.add_argument("--experiment", default="smollm2", help="the run's experiment")
     parser.add_argument("--head-name", default="peagle", help="the head's name in the run's eval.heads")
     parser.add_argument("--out", default="runs/watch_trial")
     parser.add_argument("--k", type=int, default=2, help="the served k (eval's recommendation for chat)")
     parser.add_argument("--windows", type=int, default=30, help="windows watched before and after")
     parser.add_argument("--upgrade-windows", type=int, default=6, help="windows watched after the upgrade")
-    parser.add_argument(
-        "--interval-s",
-        type=float,
-        default=20.0,
-        help="the watch's interval (windows grow to hold their requests)",
-    )
+    parser.add_argument("--interval-s", type=float, default=20.0, help="the watch's interval (windows grow)")
     parser.add_argument("--max-tokens", type=int, default=128, help="the traffic's answer length")
     parser.add_argument("--concurrency", type=int, default=1, help="requests the traffic keeps in flight")
     parser.add_argument(
         "--phases", choices=("all", "before", "upgrade"), default="all",
         help="before: the false-alarm phase alone; upgrade: before and upgrade, no retrain",
     )  # fmt: skip
-    parser.add_argument(
-        "--restart-k", type=int, default=None,
-        help="restart the before phase's server with this k after its windows (the watch must see it)",
-    )  # fmt: skip
+    parser.add_argument("--restart-k", type=int, help="restart the before phase's server at this k after it")
     parser.add_argument("--restart-windows", type=int, default=2, help="windows watched after the restart")
     parser.add_argument(
         "--traffic", choices=("unseen", "heldout"), default="unseen",
