@@ -56,6 +56,7 @@ from eval.grid import server_configs
 from eval.server import VllmServer
 from heads.acceptance import AcceptanceCounts
 from target.model import load_config, load_tokenizer, target_dir
+from watch.actions import below_band
 from watch.expectation import expected_from_results
 from watch.main import watch
 
@@ -93,12 +94,6 @@ def read_timeline(path: Path) -> list[dict]:
 def judged(records: list[dict]) -> list[dict]:
     """The timeline's judged windows: not a window still growing, nor a restart, an outage or an idle one."""
     return [r for r in records if "acceptance_low" in r and not r.get("window_open")]
-
-
-def below_band(record: dict) -> bool:
-    """Whether a judged window's acceptance lies below the head's band (upper bound under its low edge):
-    the watch's retrain signal, whatever its speed verdict."""
-    return record["acceptance_high"] < record["expected_low"]
 
 
 def first_alarm(records: list[dict], alarmed, started_s: float) -> dict | None:
@@ -387,7 +382,7 @@ def plot(out: Path) -> Path | None:
     ax.set(xlabel="judged window", ylabel="mean acceptance length", ylim=(0.9, 1.95))
     x0 = 0
     for phase, path in phases:
-        records = judged([json.loads(line) for line in path.open()])
+        records = judged(read_timeline(path))
         for x, r in enumerate(records, x0):
             color = COLORS.get(r["verdict"], "tab:gray")
             low, high, length = r["acceptance_low"], r["acceptance_high"], r["mean_acceptance_length"]

@@ -28,11 +28,17 @@ def actions(verdict: Verdict, cfg: DictConfig, head_dir: Path, overrides: list[s
     todo = []
     if verdict.name in ("net-negative", "no-speculation"):
         todo.append(deploy_now(cfg))
-    n = verdict.numbers
-    below_band = "acceptance_high" in n and n["acceptance_high"] < n["expected_low"]
-    if verdict.name in ("degraded", "latency") or (verdict.name == "net-negative" and below_band):
+    if verdict.name in ("degraded", "latency") or (
+        verdict.name == "net-negative" and below_band(verdict.numbers)
+    ):
         todo += retrain_commands(cfg, overrides)
     return todo
+
+
+def below_band(numbers: dict) -> bool:
+    """Whether a judged window's acceptance lies below the head's band (its upper bound under the band's
+    low edge): the retrain's signal, whatever the speed verdict."""
+    return "acceptance_high" in numbers and numbers["acceptance_high"] < numbers["expected_low"]
 
 
 def retrain_commands(cfg: DictConfig, overrides: list[str]) -> list[str]:
