@@ -37,7 +37,7 @@ G key/value heads, D head dim, V target vocab, Vd draft vocab.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -86,9 +86,12 @@ def load_head(head_dir: Path, target, weight_dtype: str = "float32") -> DraftHea
     return on_target(draft, target, vocab.draft_to_target if vocab else None)
 
 
-def target_forward(target, head: DraftHead, ids: list[int], cache, start: int) -> tuple[Tensor, Tensor]:
+def target_forward(
+    target, head: DraftHead, ids: list[int], cache, start: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """The target reads `ids` at positions start.. (its cache holds the ones before): the head's features
-    of those positions (EAGLE-3 aux [1, T, A, H], EAGLE-1 final post-norm [1, T, H]) and logits [T, V]."""
+    of those positions (EAGLE-3 aux [1, T, A, H], EAGLE-1 final post-norm [1, T, H]), logits [T, V] and the
+    final post-norm states [T, H] they come from (the teacher of an on-policy rollout)."""
     input_ids_BT = torch.tensor([ids], device=target.device)
     positions_BT = torch.arange(start, start + len(ids), device=target.device)[None]
     layer_ids = head.draft.target_layer_ids
@@ -98,8 +101,8 @@ def target_forward(target, head: DraftHead, ids: list[int], cache, start: int) -
         ).last_hidden_state
     logits_TV = target.lm_head(final_BTH)[0].float()
     if head.draft.features == "aux":
-        return torch.stack([captured[i] for i in layer_ids], dim=2).float(), logits_TV
-    return final_BTH.float(), logits_TV
+        return torch.stack([captured[i] for i in layer_ids], dim=2).float(), logits_TV, final_BTH[0].float()
+    return final_BTH.float(), logits_TV, final_BTH[0].float()
 
 
 class DraftState:
@@ -190,6 +193,22 @@ def finish(output: list[int], max_new_tokens: int, stop_token_ids) -> tuple[list
     return output[:max_new_tokens], len(output) >= max_new_tokens
 
 
+@dataclass
+class Rounds:
+    """What the verifications of one request exposed (`speculative_generate(..., rounds=Rounds())`), for
+    on-policy training (train/rollouts.py): the sequence the target read, its features at every one of those
+    positions as the head read them, and per round where it began, its drafts, how many were accepted and
+    the target's final states at the drafted positions - computed by the verification forward, which read
+    the drafts before them."""
+
+    ids: list[int] = field(default_factory=list)  # the sequence the target read, prompt first
+    features: list[Tensor] = field(default_factory=list)  # [1, T_i, ...] per target forward, verified rows
+    anchors: list[int] = field(default_factory=list)  # the last position the head read before drafting
+    drafts: list[list[int]] = field(default_factory=list)  # k target ids per round
+    accepted: list[int] = field(default_factory=list)
+    final: list[Tensor] = field(default_factory=list)  # [k, H]: row i predicts draft i's position
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -198,8 +217,10 @@ def speculative_generate(
     num_draft_tokens: int,
     max_new_tokens: int,
     stop_token_ids=(),
+    rounds: Rounds | None = None,
 ) -> tuple[list[int], AcceptanceCounts]:
-    """Greedy speculative decoding of one prompt: (output token ids, acceptance counts)."""
+    """Greedy speculative decoding of one prompt: (output token ids, acceptance counts); `rounds` filled
+    with what each verification exposed when given."""
     from transformers import DynamicCache
 
     if not prompt_ids:
@@ -207,25 +228,37 @@ def speculative_generate(
     counts = AcceptanceCounts()
     cache = DynamicCache(config=target.config)
     ids = list(prompt_ids)  # what the target has read; its cache holds exactly these positions
-    features, logits_TV = target_forward(target, head, ids, cache, start=0)
+    features, logits_TV, _ = target_forward(target, head, ids, cache, start=0)
+    if rounds is not None:
+        rounds.features.append(features)
     pending = int(logits_TV[-1].argmax())  # the target's next token, not yet read by it
     output, done = finish([pending], max_new_tokens, stop_token_ids)
     state = DraftState.of(head)
     while not done:
         drafts = state.round(ids, pending, features, num_draft_tokens)
-        features, logits_TV = target_forward(target, head, [pending, *drafts], cache, start=len(ids))
+        features, logits_TV, final_TH = target_forward(
+            target, head, [pending, *drafts], cache, start=len(ids)
+        )
         greedy = logits_TV.argmax(-1).tolist()  # greedy[i]: the target's token after position len(ids)+i
         accepted = 0
         while accepted < num_draft_tokens and drafts[accepted] == greedy[accepted]:
             accepted += 1
         counts.observe(num_draft_tokens, accepted)
-        ids += [pending, *drafts[:accepted]]
         features = features[:, : accepted + 1]  # the positions just verified, next for the head to read
+        if rounds is not None:
+            rounds.anchors.append(len(ids) - 1)
+            rounds.drafts.append(list(drafts))
+            rounds.accepted.append(accepted)
+            rounds.final.append(final_TH[:num_draft_tokens])
+            rounds.features.append(features)
+        ids += [pending, *drafts[:accepted]]
         rejected = cache.get_seq_length() - len(ids)
         if rejected:
             cache.crop(-rejected)  # a negative length counts the positions to drop
         pending = greedy[accepted]  # the bonus token
         output, done = finish(output + drafts[:accepted] + [pending], max_new_tokens, stop_token_ids)
+    if rounds is not None:
+        rounds.ids = ids
     return output, counts
 
 

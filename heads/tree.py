@@ -63,11 +63,11 @@ def greedy_run(
 
     cache = DynamicCache(config=target.config)
     ids = list(prompt_ids)
-    _, logits_TV = target_forward(target, head, ids, cache, start=0)
+    _, logits_TV, _ = target_forward(target, head, ids, cache, start=0)
     for _ in range(num_tokens):
         ids.append(int(logits_TV[-1].argmax()))
-        _, logits_TV = target_forward(target, head, ids[-1:], cache, start=len(ids) - 1)
-    features, _ = target_forward(target, head, ids, DynamicCache(config=target.config), start=0)
+        _, logits_TV, _ = target_forward(target, head, ids[-1:], cache, start=len(ids) - 1)
+    features, _, _ = target_forward(target, head, ids, DynamicCache(config=target.config), start=0)
     return GreedyRun(ids, len(prompt_ids), features, tuple(stop_token_ids))
 
 

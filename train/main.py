@@ -43,6 +43,7 @@ from heads.head_file import write_head
 from heads.layers import EXCLUDED_FROM_EXPORT
 from target.launch import make_accelerator, setup_logging
 from target.model import load_config, load_embedding_and_lm_head
+from train import on_policy
 from train.checkpoint import load_warm_start, save_checkpoint, trajectory_settings
 from train.data import (
     OnlineStates,
@@ -110,6 +111,8 @@ class Start:
 def run(cfg: DictConfig) -> dict:
     """Train the head; returns the final held-out metrics."""
     check_config(cfg)
+    if cfg.train.stage == "on_policy":  # then on its own drafts, from a supervised head
+        return on_policy.run(cfg)
     accelerator = make_accelerator(
         cfg.process_group_timeout_s,
         # The target's lm_head is a buffer, identical on every rank: DDP need not re-send it each step.

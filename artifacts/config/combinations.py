@@ -232,6 +232,8 @@ def check_combinations(cfg: DictConfig) -> None:
             cfg.train.pack_length,
             f">= render.max_length={cfg.render.max_length} (a row must hold the longest sample), or null",
         )
+    if cfg.train.stage == "on_policy":
+        check_on_policy(cfg, ks, limit)
     check_data(cfg.data)
     check_regen(cfg.regen)
     for where, entry in source_entries(cfg.data):
@@ -261,6 +263,20 @@ def check_combinations(cfg: DictConfig) -> None:
             )
         if head.method == "ngram" and head.prompt_lookup_min > head.prompt_lookup_max:
             refuse(f"eval.heads[{index}].prompt_lookup_min", head.prompt_lookup_min, "<= prompt_lookup_max")
+
+
+def check_on_policy(cfg: DictConfig, ks: list[int] | None, limit: str) -> None:
+    """train.stage=on_policy: a head whose rounds replay, at a k it was trained for, replicated on every
+    process (the rollouts draft with the whole head)."""
+    if cfg.head.kind == "eagle1":
+        refuse("head.kind", "eagle1", "eagle3, peagle or dflash with train.stage=on_policy (the replayed "
+               "drafting schemes: chain with aux states, parallel, block)")  # fmt: skip
+    if ks is not None and cfg.on_policy.num_speculative_tokens not in ks:
+        refuse("on_policy.num_speculative_tokens", cfg.on_policy.num_speculative_tokens, limit)
+    if cfg.train.pack_length is not None:
+        refuse(
+            "train.pack_length", cfg.train.pack_length, "null with train.stage=on_policy (a rollout a row)"
+        )
 
 
 def check_regen(regen) -> None:

@@ -25,7 +25,7 @@ from artifacts.config.schema_data_prep import (
     TargetConfig,
 )
 from artifacts.config.schema_export_eval import EvalConfig, ExportConfig, WatchConfig
-from artifacts.config.schema_train import GridConfig, HeadConfig, OptimConfig, TrainConfig
+from artifacts.config.schema_train import GridConfig, HeadConfig, OnPolicyConfig, OptimConfig, TrainConfig
 
 
 @dataclass
@@ -46,6 +46,7 @@ class PipelineConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     grid: GridConfig = field(default_factory=GridConfig)

@@ -148,6 +148,38 @@ class TrainConfig:
     wandb_mode: str = checked("offline", WANDB_MODE)  # offline | online
     # torch CPU threads per process (None: torch's default)
     num_threads: int | None = checked(None, optional(POSITIVE))
+    # supervised (the head on the cache's target answers) | on_policy (then on its own drafts: rollouts and
+    # replay from a supervised head, train/on_policy.py; settings under on_policy.*)
+    stage: str = checked("supervised", one_of("supervised", "on_policy"))
+
+
+@dataclass
+class OnPolicyConfig:
+    """train.stage=on_policy (train/on_policy.py, docs/recipe.md#on-policy-training): from a supervised head,
+    rounds of rollouts (the target decodes training prompts with the head drafting, greedy, through the
+    reference decoder) and replay (the head drafts again from the rollouts' anchors and is trained against
+    the target's distribution at its drafts: train/losses/replay.py)."""
+
+    # where the stage writes its head, checkpoints and rollouts (None: <run_dir>/on_policy); export and eval
+    # read its head with export.head_dir=<out_dir>/draft_head
+    out_dir: str | None = None
+    # the supervised head it starts from (None: <run_dir>/draft_head)
+    init_from: str | None = None
+    num_iterations: int = checked(4, POSITIVE)  # rollout refreshes: roll out, then replay on those rollouts
+    num_prompts: int = checked(64, POSITIVE)  # training prompts rolled out per iteration (all processes)
+    num_steps: int = checked(16, POSITIVE)  # optimizer steps replayed on each iteration's rollouts
+    # drafts per round in the rollouts: the k the head is served at
+    num_speculative_tokens: int = checked("${export.num_speculative_tokens}", POSITIVE)
+    max_new_tokens: int = checked(128, POSITIVE)  # tokens a rollout generates at most
+    # what the accepted drafts minimise (train.loss's syntax; Draft-OPD: kl, forward KL)
+    accepted_loss: str = checked("kl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum"))
+    # what the rejected drafts minimise (Draft-OPD: rkl, reverse KL; kl: its forward-only ablation)
+    rejected_loss: str = checked("rkl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum"))
+    # the rejected draft i (from 0) weighs gamma^i (Draft-OPD: 0.8; 1: its no-decay ablation)
+    gamma: float = checked(0.8, within(0, 1, low_closed=False))
+    # held-out prompts rolled out before the first step and after every eval_every iterations (0: none)
+    num_eval_prompts: int = checked(16, NON_NEGATIVE)
+    eval_every: int = checked(1, POSITIVE)  # iterations between held-out rollouts (and at the end)
 
 
 @dataclass

@@ -32,11 +32,14 @@ def ttt_rollout(
     num_steps: int,
     starts_BT: Tensor | None = None,
     anchors_BM: Tensor | None = None,
+    fed_BMK: Tensor | None = None,
 ) -> list[Tensor]:
     """Pre-norm outputs [B, T, H] of steps 0..K-1, teacher-forced (step k reads x_{t+1+k}): one call of the
     head's forward per step, the cache holding the earlier steps' keys at each position; in rows packed
     at `starts_BT`, each position sees and is placed in its own document only. With `anchors_BM`, the
-    outputs are [B, M, H] at those rows only (`prediction_anchors`); step 0's keys are still every row's."""
+    outputs are [B, M, H] at those rows only (`prediction_anchors`); step 0's keys are still every row's.
+    `fed_BMK` (with anchors): step k >= 1 reads fed_BMK[..., k-1] instead, the head's own drafts of a
+    rollout (on-policy replay, train/losses/replay.py) - the chain as it was served."""
     if starts_BT is None:
         positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
     else:
@@ -54,6 +57,8 @@ def ttt_rollout(
             out_BTH = model(ids_BT, hidden_BTH, rope_BT, cache)
         else:
             ids_BM, rope_BM = ids_BT.gather(1, anchors_BM), rope_BT.gather(1, anchors_BM)
+            if fed_BMK is not None:
+                ids_BM = fed_BMK[..., step - 1]
             out_BTH = model(ids_BM, hidden_BTH, rope_BM, cache, anchors_BM)
         outs.append(out_BTH)
         # Fed back (post-norm with norm_output) without detaching: later steps' gradients reach earlier ones.

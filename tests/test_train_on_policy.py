@@ -1,0 +1,263 @@
+"""On-policy training (train.stage=on_policy): the replay loss against a dense hand computation, rollouts
+against the reference decoder's decoding, the replay forward drafting what the rollout drafted (every
+drafting scheme), gradients on the head only, and the stage itself: its head, records and an exact resume."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import DFLASH, PEAGLE, smoke_config, tiny_head_config
+
+KINDS = {"eagle3": (), "peagle": PEAGLE, "dflash": DFLASH}
+
+
+def rollout_batch(config, k: int, seed: int = 1) -> dict:
+    """Two rows of a tiny vocabulary with rounds at increasing anchors, some drafts accepted."""
+    g = torch.Generator().manual_seed(seed)
+    b, t, m, h = 2, 14, 3, config.hidden_size
+    anchors = torch.tensor([[2, 5, 9], [3, 7, 0]])
+    return {
+        "input_ids": torch.randint(0, config.vocab_size, (b, t), generator=g),
+        "aux_hidden": torch.randn(b, t, 2, h, generator=g),
+        "anchor_BM": anchors,
+        "round_mask": torch.tensor([[True, True, True], [True, True, False]]),
+        "drafts_BMK": torch.randint(0, config.vocab_size, (b, m, k), generator=g),
+        "accepted_BM": torch.tensor([[0, 2, k], [1, 0, 0]]),
+        "final_BMKH": torch.randn(b, m, k, h, generator=g),
+    }
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
+def test_the_replay_loss_is_the_hand_computation(kind):
+    """Half the accepted drafts' mean forward KL (as train's `kl`: the cross-entropy, the same gradient) plus half the rejected drafts' gamma^i-weighted mean reverse
+    KL, against the target's draft-vocabulary distribution at each; the gradients too (the fused rows)."""
+    from heads.dflash import DFlashConfig
+    from tests.helpers import random_draft
+    from train.losses.replay import replay_loss, replay_outputs
+    from train.objectives import parse_objective
+
+    k, gamma = 3, 0.8
+    extra = {"peagle": dict(mask_token_id=3), "dflash": dict(mask_token_id=3, block_size=4)}.get(kind, {})
+    config = tiny_head_config(DFlashConfig if kind == "dflash" else None, aux_layer_ids=[1, 2], **extra)
+    model = random_draft(config)
+    model.load_target_embedding(torch.randn(config.vocab_size, config.hidden_size))
+    batch = rollout_batch(config, k)
+    lm_head, d2t = torch.randn(config.vocab_size, config.hidden_size), torch.arange(24) + 7
+    total, metrics = replay_loss(
+        model, batch, lm_head, d2t, 5, parse_objective("kl"), parse_objective("rkl"), gamma
+    )
+    grads = torch.autograd.grad(total, [p for p in model.parameters() if p.requires_grad])
+
+    out = replay_outputs(model, batch)
+    logq = torch.log_softmax(model.logits(out).float(), -1)
+    logp = torch.log_softmax((batch["final_BMKH"] @ lm_head.T)[..., d2t], -1)
+    forward_sum, count, reverse_sum, weights = 0.0, 0, 0.0, 0.0
+    for row in range(2):
+        for r in range(3):
+            if not batch["round_mask"][row, r]:
+                continue
+            for i in range(k):
+                p, q = logp[row, r, i], logq[row, r, i]
+                if i < batch["accepted_BM"][row, r]:
+                    forward_sum = forward_sum - (p.exp() * q).sum()  # KL up to p's entropy
+                    count += 1
+                else:
+                    reverse_sum = reverse_sum + gamma**i * (q.exp() * (q - p)).sum()
+                    weights += gamma**i
+    assert count == 6 and math.isclose(
+        weights, 1 + 0.8 + 0.64 + 0.64 + 1 + 0.8 + 0.64 + 0.8 + 0.64, rel_tol=1e-6
+    )
+    expected = (forward_sum / count + reverse_sum / weights) / 2
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["loss_accepted"], forward_sum / count, rtol=1e-5, atol=1e-6)
+    expected_grads = torch.autograd.grad(expected, [p for p in model.parameters() if p.requires_grad])
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert [int(metrics[f"num_{i}"]) for i in range(k)] == [5, 5, 5]
+
+
+def smoke_head_of(kind: str, run_dir, seed: int = 0):
+    """A head of `kind` on the smoke target with every weight random (drafts that vary), its target and
+    draft-to-target map."""
+    from transformers import AutoModelForCausalLM
+
+    from artifacts.manifest import read_manifest
+    from artifacts.vocab import load_vocab_map
+    from target.model import load_config, load_embedding_and_lm_head, target_dir
+    from train.model import build_draft
+
+    cfg = smoke_config(run_dir, *KINDS[kind])
+    manifest = read_manifest(run_dir / "cache")
+    vocab = load_vocab_map(run_dir / "cache" / "vocab.safetensors")
+    draft = build_draft(cfg, load_config(cfg.target), manifest, vocab)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 2 / math.sqrt(param.shape[-1]))
+    draft.load_target_embedding(load_embedding_and_lm_head(cfg.target)[0].float())
+    target = AutoModelForCausalLM.from_pretrained(target_dir(cfg.target), dtype=torch.float32).eval()
+    return cfg, draft.eval(), target, vocab.draft_to_target
+
+
+# The heads rolled out: trained ones (whose drafts the target accepts, so both terms and the fed drafts are
+# exercised) for EAGLE-3 and P-EAGLE, a random DFlash head on the smoke target.
+TRAINED = {"eagle3": "regen_head", "peagle": "regen_peagle_head"}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
+def test_a_replay_drafts_what_the_rollout_drafted_and_decides_as_the_reference_decoder(
+    request, smoke_run, kind
+):
+    """The rollout is the reference decoder's decoding (same output, same counts), and the replay forward
+    at its anchors - fed the rollout's drafts, on the stored features - drafts the same tokens at every
+    round: training sees the head exactly as it drafted when served."""
+    from artifacts.cache import CacheSplit
+    from heads.reference_decoder import DraftHead, load_head, speculative_generate
+    from train.losses.replay import replay_outputs
+    from train.rollouts import collate_rollouts, prompt_ids, read_rollouts, roll_out, write_rollouts
+
+    if kind in TRAINED:
+        run_dir = request.getfixturevalue(TRAINED[kind])
+        _, _, target, _ = smoke_head_of("eagle3", run_dir)
+        head = load_head(run_dir / "draft_head", target)
+        draft, d2t = head.draft, head.draft_to_target
+    else:
+        run_dir = smoke_run
+        _, draft, target, d2t = smoke_head_of(kind, run_dir)
+        head = DraftHead(draft, d2t)
+    split = CacheSplit(run_dir / "cache", "train")
+    prompts = [prompt_ids(split, i) for i in range(3)]
+    rollouts = [roll_out(target, head, p, 3, 24, ()) for p in prompts]
+    for prompt, rollout in zip(prompts, rollouts):
+        output, counts = speculative_generate(target, head, prompt, 3, 24)
+        assert rollout.counts() == counts
+        assert rollout.input_ids[: len(prompt)].tolist() == prompt
+        # the target read the output but its last token; past max_new_tokens it also read what the last
+        # round accepted, which the output cuts off
+        read = rollout.input_ids[len(prompt) :].tolist()
+        common = min(len(read), len(output))
+        assert common >= len(output) - 1 and read[:common] == output[:common]
+        # each round's next anchor: the accepted drafts and the bonus token later
+        assert (rollout.anchors[1:] == rollout.anchors[:-1] + rollout.accepted[:-1] + 1).all()
+    if kind in TRAINED:
+        assert sum(int(r.accepted.sum()) for r in rollouts) > 0, "some drafts accepted: both terms trained"
+    path = request.getfixturevalue("tmp_path") / f"rollouts-{kind}.safetensors"
+    write_rollouts(path, rollouts)
+    batch = collate_rollouts(read_rollouts(path), "cpu")
+    with torch.no_grad():
+        replayed = d2t[draft.logits(replay_outputs(draft, batch)).argmax(-1)]
+    mask = batch["round_mask"]
+    assert torch.equal(replayed[mask], batch["drafts_BMK"][mask])
+    # The teacher rows are the verification's: the target's greedy token at the first rejected draft.
+    from train.losses.rows import target_logits
+
+    lm_head = target.get_output_embeddings().weight.float()
+    final_BMKH = batch["final_BMKH"]
+    greedy = target_logits(final_BMKH.flatten(0, 2), lm_head).argmax(-1).view(final_BMKH.shape[:3])
+    accepted = mask[..., None] & (torch.arange(3) < batch["accepted_BM"][..., None])
+    assert torch.equal(greedy[accepted], batch["drafts_BMK"][accepted])
+    rejected_first = batch["accepted_BM"].clamp(max=2)[..., None]
+    first_rejection = mask & (batch["accepted_BM"] < 3)
+    assert (
+        greedy.gather(2, rejected_first)[..., 0] != batch["drafts_BMK"].gather(2, rejected_first)[..., 0]
+    )[first_rejection].all()
+
+
+def test_gradients_reach_the_head_only(smoke_run):
+    """The replay's gradient reaches every trainable weight of the head and nothing of the target's: its
+    embedding, lm_head, and the rollout's stored states."""
+    from artifacts.cache import CacheSplit
+    from heads.reference_decoder import DraftHead
+    from train.losses.replay import replay_loss
+    from train.objectives import parse_objective
+    from train.rollouts import collate_rollouts, prompt_ids, roll_out
+
+    cfg, draft, target, d2t = smoke_head_of("peagle", smoke_run)
+    split = CacheSplit(smoke_run / "cache", "train")
+    rollouts = [roll_out(target, DraftHead(draft, d2t), prompt_ids(split, i), 3, 16, ()) for i in range(2)]
+    batch = collate_rollouts(rollouts, "cpu")
+    lm_head = target.get_output_embeddings().weight.detach().clone().requires_grad_()
+    draft.train()
+    loss, _ = replay_loss(draft, batch, lm_head, d2t, 64, parse_objective("kl"), parse_objective("rkl"), 0.8)
+    loss.backward()
+    trainable = {name: p for name, p in draft.named_parameters() if p.requires_grad}
+    assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    assert "embed_tokens.weight" not in trainable
+    assert lm_head.grad is None and all(p.grad is None for p in target.parameters())
+
+
+@pytest.fixture
+def on_policy_run(smoke_head, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_head, run_dir)
+    return run_dir
+
+
+STAGE = (
+    "train.stage=on_policy",
+    "on_policy.num_iterations=2",
+    "on_policy.num_prompts=3",
+    "on_policy.num_steps=2",
+    "on_policy.max_new_tokens=16",
+    "on_policy.num_eval_prompts=2",
+    "train.batch_size=2",
+    "train.save_every=2",
+    "train.num_threads=1",
+)
+
+
+def test_the_stage_trains_from_the_supervised_head_and_a_resume_equals_an_uninterrupted_run(on_policy_run):
+    from safetensors.torch import load_file
+
+    from heads.head_file import read_record
+    from train.main import run
+
+    out = on_policy_run / "on_policy"
+    held_out = run(smoke_config(on_policy_run, *STAGE))
+    assert held_out is not None and "mean_acceptance_length" in held_out and "eval/acc_0" in held_out
+    records = [json.loads(line) for line in (out / "on_policy.jsonl").open()]
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert all("held_out" in r for r in records) and records[1]["rollouts"]["num"] == 3
+    record = read_record(out / "draft_head")
+    stages = record.training["stages"]
+    assert [s["stage"] for s in stages] == ["supervised", "on_policy"]
+    assert stages[0]["num_steps"] == 4 and len(stages[1]["iterations"]) == 3
+    assert record.training["num_steps"] == 4
+    uninterrupted = [json.loads(line)["loss"] for line in (out / "train_steps.jsonl").open()]
+    final = load_file(out / "draft_head" / "model.safetensors")
+    # A crash in iteration 2 before its rollouts were written: the step-2 checkpoint survives.
+    for name in ("step-000003", "step-000004"):
+        shutil.rmtree(out / "ckpt" / name, ignore_errors=True)
+    for path in (out / "rollouts").glob("iter-00001-*"):
+        path.unlink()
+    shutil.rmtree(out / "draft_head")
+    for name, keep in (("train_steps.jsonl", 3), ("on_policy.jsonl", 2)):
+        lines = (out / name).read_text().splitlines()[:keep]
+        (out / name).write_text("\n".join(lines) + "\n")
+    run(smoke_config(on_policy_run, *STAGE, "train.resume=true"))
+    resumed = [json.loads(line)["loss"] for line in (out / "train_steps.jsonl").open()]
+    assert resumed == uninterrupted
+    assert [json.loads(line)["iteration"] for line in (out / "on_policy.jsonl").open()] == [0, 1, 2]
+    again = load_file(out / "draft_head" / "model.safetensors")
+    assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
+
+
+def test_settings_that_cannot_apply_are_refused(on_policy_run):
+    from artifacts.config import check_config
+    from train.main import run
+
+    with pytest.raises(ValueError, match="head.kind=eagle1: must be eagle3, peagle or dflash"):
+        check_config(smoke_config(on_policy_run, "train.stage=on_policy", "head.kind=eagle1"))
+    with pytest.raises(ValueError, match="on_policy.num_speculative_tokens=4"):
+        check_config(
+            smoke_config(
+                on_policy_run, "train.stage=on_policy", *PEAGLE, "on_policy.num_speculative_tokens=4"
+            )
+        )
+    missing = on_policy_run / "nowhere"
+    with pytest.raises(ValueError, match="no supervised head"):
+        run(smoke_config(on_policy_run, "train.stage=on_policy", f"on_policy.init_from={missing}"))
