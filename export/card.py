@@ -59,6 +59,40 @@ def held_out_section(held_out: dict) -> list[str]:
     return lines
 
 
+def stages_section(stages: list[dict]) -> list[str]:
+    """The stages that made the head (train.stage=on_policy records them): the supervised head it started
+    from, then each on-policy iteration's rollouts and the held-out acceptance they led to."""
+    lines = ["## Stages", ""]
+    for stage in stages:
+        if stage["stage"] == "supervised":
+            lines.append(
+                f"- supervised: {stage.get('num_steps', '?')} optimizer steps, from `{stage.get('from')}`"
+            )
+            continue
+        iterations = stage.get("iterations", [])
+        rows = [
+            [
+                r["iteration"],
+                r["step"],
+                f"{r['rollouts']['num']} ({r['rollouts']['tokens']} tokens, {r['rollouts']['seconds']:.0f} s)"
+                if "rollouts" in r else "-",
+                f"{r['rollouts']['mean_acceptance_length']:.3f}" if "rollouts" in r else "-",
+                f"{r['held_out']['mean_acceptance_length']:.3f}" if "held_out" in r else "-",
+            ]
+            for r in iterations
+        ]  # fmt: skip
+        lines += [
+            f"- on-policy: {sum(r['iteration'] > 0 for r in iterations)} iterations of rollouts (the head "
+            "drafting, the target verifying, greedy) and replay from their rounds (iteration 0: before any)",
+            "",
+            *table(
+                ["iteration", "step", "rollouts", "rollout acceptance length", "held-out acceptance length"],
+                rows,
+            ),
+        ]
+    return lines
+
+
 def verification_section(report: dict) -> list[str]:
     parity = report["parity"]
     rows = [
@@ -262,6 +296,8 @@ def model_card(
             ],
         ),
     ]
+    if training.get("stages"):
+        lines += ["", *stages_section(training["stages"])]
     if training.get("held_out"):
         lines += ["", *held_out_section(training["held_out"])]
     elif training:

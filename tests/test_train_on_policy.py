@@ -5,11 +5,23 @@ drafting scheme), gradients on the head only, and the stage itself: its head, re
 import json
 import math
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from tests.helpers import DFLASH, PEAGLE, smoke_config, tiny_head_config
+from tests.helpers import (
+    DFLASH,
+    PEAGLE,
+    REPO,
+    smoke_config,
+    step_losses,
+    tiny_head_config,
+    wandb_items,
+    wandb_records,
+)
 
 KINDS = {"eagle3": (), "peagle": PEAGLE, "dflash": DFLASH}
 
@@ -210,14 +222,18 @@ STAGE = (
 )
 
 
-def test_the_stage_trains_from_the_supervised_head_and_a_resume_equals_an_uninterrupted_run(on_policy_run):
+def test_the_stage_trains_from_the_supervised_head_and_a_resume_equals_an_uninterrupted_run(
+    on_policy_run, monkeypatch
+):
     from safetensors.torch import load_file
 
+    from export.card import stages_section
     from heads.head_file import read_record
     from train.main import run
 
     out = on_policy_run / "on_policy"
-    held_out = run(smoke_config(on_policy_run, *STAGE))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    held_out = run(smoke_config(on_policy_run, *STAGE, "train.report_to=wandb"))
     assert held_out is not None and "mean_acceptance_length" in held_out and "eval/acc_0" in held_out
     records = [json.loads(line) for line in (out / "on_policy.jsonl").open()]
     assert [r["iteration"] for r in records] == [0, 1, 2]
@@ -227,7 +243,24 @@ def test_the_stage_trains_from_the_supervised_head_and_a_resume_equals_an_uninte
     assert [s["stage"] for s in stages] == ["supervised", "on_policy"]
     assert stages[0]["num_steps"] == 4 and len(stages[1]["iterations"]) == 3
     assert record.training["num_steps"] == 4
+    card = "\n".join(stages_section(stages))
+    assert "- supervised: 4 optimizer steps" in card and "- on-policy: 2 iterations" in card
+    assert card.count("\n| ") == 1 + 3  # the header and iterations 0 (before any), 1 and 2
     uninterrupted = [json.loads(line)["loss"] for line in (out / "train_steps.jsonl").open()]
+    # W&B (offline): every step's loss as train_steps.jsonl holds it, each iteration's held-out acceptance
+    (file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline, logged = time.time() + 60, wandb_records(file)
+    while not any(r.HasField("exit") for r in logged) and time.time() < deadline:
+        time.sleep(0.5)  # wandb's service may still be flushing the run file
+        logged = wandb_records(file)
+    history = {}
+    for r in logged:
+        if r.HasField("history"):
+            history.setdefault(r.history.step.num, {}).update(wandb_items(r.history.item))
+    assert [history[s]["on_policy/loss"] for s in (1, 2, 3, 4)] == uninterrupted
+    assert [history[s]["on_policy/held_out/mean_acceptance_length"] for s in (0, 2, 4)] == [
+        r["held_out"]["mean_acceptance_length"] for r in records
+    ]
     final = load_file(out / "draft_head" / "model.safetensors")
     # A crash in iteration 2 before its rollouts were written: the step-2 checkpoint survives.
     for name in ("step-000003", "step-000004"):
@@ -261,3 +294,27 @@ def test_settings_that_cannot_apply_are_refused(on_policy_run):
     missing = on_policy_run / "nowhere"
     with pytest.raises(ValueError, match="no supervised head"):
         run(smoke_config(on_policy_run, "train.stage=on_policy", f"on_policy.init_from={missing}"))
+
+
+def test_the_bench_trains_both_at_matched_compute_and_measures_them(on_policy_run):
+    """bench/on_policy.py: the on-policy stage and continued supervised training from the same head, the
+    latter for the steps the former's compute buys, all three heads decoded on the same held-out prompts."""
+    command = [
+        sys.executable, "-m", "bench.on_policy", "--run-dir", str(on_policy_run), "--seeds", "0",
+        "--prompts", "2", "--max-new-tokens", "8", "--", "experiment=smoke", "cache.num_threads=1",
+        "train.num_threads=1", "train.batch_size=2", "on_policy.num_iterations=1", "on_policy.num_prompts=2",
+        "on_policy.num_steps=2", "on_policy.max_new_tokens=8", "on_policy.num_eval_prompts=1",
+    ]  # fmt: skip
+    subprocess.run(command, cwd=REPO, check=True)
+    rows = {
+        r["name"]: r for r in json.loads((on_policy_run / "on_policy_bench" / "results.json").read_text())
+    }
+    assert rows.keys() == {"start", "on_policy_s0", "supervised_s0"}
+    opd, sup = rows["on_policy_s0"], rows["supervised_s0"]
+    assert opd["num_steps"] == 2 and opd["rollout_seconds"] > 0 and len(opd["curve"]) == 2
+    assert sup["num_steps"] == math.ceil(
+        (opd["rollout_seconds"] + opd["replay_seconds"]) / sup["start_step_s"]
+    )
+    assert len(step_losses(on_policy_run / "on_policy_bench" / "supervised_s0")) == sup["num_steps"]
+    assert all(r["held_out"]["num_prompts"] == 2 and r["held_out"]["num_drafts"] > 0 for r in rows.values())
+    assert "| on_policy_s0 | 2 |" in (on_policy_run / "on_policy_bench" / "results.md").read_text()

@@ -335,9 +335,10 @@ def fit(setup: Setup, step: int, num_steps: int, stop: StopRequest) -> list[dict
             step += 1
             bar.update(1)
             losses.append(total)
+            logged = {"loss": total, "lr": lr, "grad_norm": float(grad_norm)}
             if accelerator.is_main_process:
-                append_record(setup.out_dir / "train_steps.jsonl",
-                              {"step": step, "loss": total, "lr": lr, "grad_norm": float(grad_norm)})  # fmt: skip
+                append_record(setup.out_dir / "train_steps.jsonl", {"step": step, **logged})
+            accelerator.log({f"on_policy/{k}": v for k, v in logged.items()}, step=step)
             stop_now = (
                 accelerator.reduce(torch.tensor(float(stop.requested), device=accelerator.device), "sum") > 0
             )
