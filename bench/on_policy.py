@@ -75,8 +75,10 @@ def supervised(args, seed: int, out: Path, overrides: list[str], seconds: float)
     num_steps = max(1, math.ceil(seconds / step_s))
     if not (out / "cache").exists():
         (out / "cache").symlink_to(args.run_dir.resolve() / "cache", target_is_directory=True)
+    # as many epochs as steps, so that train.max_steps decides (an epoch is at least a step)
     stage = [*overrides, f"run_dir={out}", f"seed={seed}", f"train.max_steps={num_steps}", "train.resume=auto",
-             f"train.init_from={args.run_dir.resolve() / 'draft_head'}", "train.eval_every=0"]  # fmt: skip
+             f"train.num_epochs={num_steps}", f"train.init_from={args.run_dir.resolve() / 'draft_head'}",
+             "train.eval_every=0"]  # fmt: skip
     run([sys.executable, "train/main.py", *stage], out / "logs" / "train.log")
     own = {s["step"]: s["seconds"] for s in records(out / "train_steps.jsonl")}  # a replayed step once
     return {

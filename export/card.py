@@ -305,7 +305,9 @@ def model_card(
             "",
             "## Held-out metrics",
             "",
-            "Not measured: the cache has no held-out split (data.eval_fraction=0).",
+            "Not measured: on_policy.num_eval_prompts=0."
+            if training.get("stages")
+            else "Not measured: the cache has no held-out split (data.eval_fraction=0).",
         ]
     if unverified_note:
         lines += [

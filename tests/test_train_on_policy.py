@@ -16,6 +16,7 @@ from tests.helpers import (
     DFLASH,
     PEAGLE,
     REPO,
+    assert_same_head,
     smoke_config,
     step_losses,
     tiny_head_config,
@@ -277,6 +278,32 @@ def test_the_stage_trains_from_the_supervised_head_and_a_resume_equals_an_uninte
     assert [json.loads(line)["iteration"] for line in (out / "on_policy.jsonl").open()] == [0, 1, 2]
     again = load_file(out / "draft_head" / "model.safetensors")
     assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
+
+
+def test_two_processes_train_as_one_process_with_the_same_global_batch(
+    on_policy_run, tmp_path, subprocess_env
+):
+    """Under DDP each process rolls out its share of the prompts, the replay's global batch is the same
+    rollouts in the same order, and each term is a mean over that batch: the run equals one process's."""
+    from train.main import run
+
+    settings = [o for o in STAGE if not o.startswith("train.batch_size")] + ["on_policy.num_iterations=1"]
+    run(smoke_config(on_policy_run, *settings, "train.batch_size=2"))
+    ddp = tmp_path / "ddp"
+    shutil.copytree(on_policy_run, ddp, ignore=shutil.ignore_patterns("on_policy"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/main.py",
+               "experiment=smoke", f"run_dir={ddp}", "cache.num_threads=1", *settings, "train.batch_size=1"]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=REPO, env=subprocess_env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = on_policy_run / "on_policy", ddp / "on_policy"
+    assert step_losses(two) == pytest.approx(step_losses(one), rel=1e-4)
+    iterations = [[json.loads(line) for line in (d / "on_policy.jsonl").open()] for d in (one, two)]
+    for part in ("rollouts", "held_out"):
+        counts = [[r[part]["accepted_per_position"] for r in runs if part in r] for runs in iterations]
+        assert counts[0] == counts[1] and counts[0]
+    assert_same_head(one, two, atol=2e-5)
 
 
 def test_settings_that_cannot_apply_are_refused(on_policy_run):

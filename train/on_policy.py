@@ -1,5 +1,6 @@
 """train.stage=on_policy: a supervised head trained further on its own drafts (Draft-OPD's on-policy
-distillation, docs/recipe.md#on-policy-training), for EAGLE-3, P-EAGLE and DFlash heads.
+distillation), for EAGLE-3, P-EAGLE and DFlash heads (docs/design.md#on-policy-training; measured:
+docs/recipe.md#on-policy-training-measured).
 
     python train/main.py experiment=smollm2 run_dir=runs/smollm2 train.stage=on_policy
     accelerate launch --num_processes 2 train/main.py ... train.stage=on_policy on_policy.num_iterations=8
@@ -242,9 +243,10 @@ def rollouts_of(setup: Setup, iteration: int, draft) -> tuple[list, float]:
         write_rollouts(mine, rollouts)
         seconds = time.perf_counter() - start
     accelerator.wait_for_everyone()
-    return [
-        r for i in range(world) for r in read_rollouts(folder / f"iter-{iteration:05d}-rank-{i}.safetensors")
-    ], seconds
+    # in the iteration's prompt order (process r rolled out every world-th from r): the replay's batches
+    # are the same whatever the number of processes
+    shares = [read_rollouts(folder / f"iter-{iteration:05d}-rank-{i}.safetensors") for i in range(world)]
+    return [shares[i % world][i // world] for i in range(sum(map(len, shares)))], seconds
 
 
 def decode(setup: Setup, draft, prompts: list[list[int]], desc: str) -> list:

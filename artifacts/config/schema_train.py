@@ -155,7 +155,7 @@ class TrainConfig:
 
 @dataclass
 class OnPolicyConfig:
-    """train.stage=on_policy (train/on_policy.py, docs/recipe.md#on-policy-training): from a supervised head,
+    """train.stage=on_policy (train/on_policy.py, docs/design.md#on-policy-training): from a supervised head,
     rounds of rollouts (the target decodes training prompts with the head drafting, greedy, through the
     reference decoder) and replay (the head drafts again from the rollouts' anchors and is trained against
     the target's distribution at its drafts: train/losses/replay.py)."""
