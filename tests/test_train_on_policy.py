@@ -318,6 +318,10 @@ def test_settings_that_cannot_apply_are_refused(on_policy_run):
                 on_policy_run, "train.stage=on_policy", *PEAGLE, "on_policy.num_speculative_tokens=4"
             )
         )
+    with pytest.raises(ValueError, match="on_policy.num_speculative_tokens=0"):
+        check_config(
+            smoke_config(on_policy_run, "train.stage=on_policy", "on_policy.num_speculative_tokens=0")
+        )
     missing = on_policy_run / "nowhere"
     with pytest.raises(ValueError, match="no supervised head"):
         run(smoke_config(on_policy_run, "train.stage=on_policy", f"on_policy.init_from={missing}"))

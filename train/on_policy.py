@@ -327,7 +327,8 @@ def fit(setup: Setup, step: int, num_steps: int, stop: StopRequest) -> list[dict
                     loss, _ = model(batch, denominators)
                     accelerator.backward(loss)
                 total += float(loss.detach())
-            total = float(accelerator.reduce(torch.tensor(total, device=accelerator.device), "sum"))
+            # each process's loss is world x its share of the global mean (DDP averages): the mean is that mean
+            total = float(accelerator.reduce(torch.tensor(total, device=accelerator.device), "mean"))
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             check_finite(total, grad_norm, step + 1, setup.out_dir / "ckpt")
             lr = setup.scheduler.get_last_lr()[0]

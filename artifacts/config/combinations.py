@@ -271,8 +271,9 @@ def check_on_policy(cfg: DictConfig, ks: list[int] | None, limit: str) -> None:
     if cfg.head.kind == "eagle1":
         refuse("head.kind", "eagle1", "eagle3, peagle or dflash with train.stage=on_policy (the replayed "
                "drafting schemes: chain with aux states, parallel, block)")  # fmt: skip
-    if ks is not None and cfg.on_policy.num_speculative_tokens not in ks:
-        refuse("on_policy.num_speculative_tokens", cfg.on_policy.num_speculative_tokens, limit)
+    k = cfg.on_policy.num_speculative_tokens
+    if k < 1 or (ks is not None and k not in ks):
+        refuse("on_policy.num_speculative_tokens", k, limit if ks is not None else "> 0")
     if cfg.train.pack_length is not None:
         refuse(
             "train.pack_length", cfg.train.pack_length, "null with train.stage=on_policy (a rollout a row)"

@@ -168,8 +168,9 @@ class OnPolicyConfig:
     num_iterations: int = checked(4, POSITIVE)  # rollout refreshes: roll out, then replay on those rollouts
     num_prompts: int = checked(64, POSITIVE)  # training prompts rolled out per iteration (all processes)
     num_steps: int = checked(16, POSITIVE)  # optimizer steps replayed on each iteration's rollouts
-    # drafts per round in the rollouts: the k the head is served at
-    num_speculative_tokens: int = checked("${export.num_speculative_tokens}", POSITIVE)
+    # drafts per round in the rollouts: the k the head is served at (checked with the stage's other
+    # settings, artifacts/config/combinations.py: a bad export k is named as export's)
+    num_speculative_tokens: int = "${export.num_speculative_tokens}"
     max_new_tokens: int = checked(128, POSITIVE)  # tokens a rollout generates at most
     # what the accepted drafts minimise (train.loss's syntax; Draft-OPD: kl, forward KL)
     accepted_loss: str = checked("kl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum"))
