@@ -327,6 +327,8 @@ def test_settings_that_cannot_apply_are_refused(on_policy_run):
         run(smoke_config(on_policy_run, "train.stage=on_policy", f"on_policy.init_from={missing}"))
 
 
+# slow (make test-all): a benchmark tool, 36 s in the suite here; the stage it runs is in the default suite
+@pytest.mark.slow
 def test_the_bench_trains_both_at_matched_compute_and_measures_them(on_policy_run):
     """bench/on_policy.py: the on-policy stage and continued supervised training from the same head, the
     latter for the steps the former's compute buys, all three heads decoded on the same held-out prompts."""
