@@ -25,23 +25,11 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from artifacts import atomic
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def run(command: list[str], log: Path) -> None:
-    """A stage as a subprocess, its output in `log`; its failure raised with the log's tail."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as out:
-        done = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:4])} ... failed ({done.returncode}); its log {log}:\n"
-                           + log.read_text()[-3000:])  # fmt: skip
+from bench.peer_heads import run
 
 
 def records(path: Path) -> list[dict]:
@@ -53,7 +41,7 @@ def on_policy(args, seed: int, out: Path, overrides: list[str]) -> dict:
     stage = [*overrides, f"seed={seed}", "train.stage=on_policy", f"on_policy.out_dir={out}",
              f"on_policy.init_from={args.run_dir.resolve() / 'draft_head'}", "train.resume=auto",
              *args.on_policy_override]  # fmt: skip
-    run([sys.executable, "train/main.py", *stage], out / "logs" / "train.log")
+    run([sys.executable, "train/main.py", *stage], out / "logs" / "train.log", "a")
     iterations = records(out / "on_policy.jsonl")
     done = [r for r in iterations if "rollouts" in r]
     return {
@@ -79,7 +67,7 @@ def supervised(args, seed: int, out: Path, overrides: list[str], seconds: float)
     stage = [*overrides, f"run_dir={out}", f"seed={seed}", f"train.max_steps={num_steps}", "train.resume=auto",
              f"train.num_epochs={num_steps}", f"train.init_from={args.run_dir.resolve() / 'draft_head'}",
              "train.eval_every=0"]  # fmt: skip
-    run([sys.executable, "train/main.py", *stage], out / "logs" / "train.log")
+    run([sys.executable, "train/main.py", *stage], out / "logs" / "train.log", "a")
     own = {s["step"]: s["seconds"] for s in records(out / "train_steps.jsonl")}  # a replayed step once
     return {
         "head_dir": str(out / "draft_head"),

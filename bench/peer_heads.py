@@ -42,10 +42,11 @@ def head_dir(run_dir: Path, kind: str, trainer: str, tag: str | None, seed: int)
     return run_dir / "peer" / kind / f"{trainer}{'-' + tag if tag else ''}_s{seed}"
 
 
-def run(command: list[str], log: Path) -> None:
-    """A stage as a subprocess, its output in `log`; its failure raised with the log's tail."""
+def run(command: list[str], log: Path, mode: str = "w") -> None:
+    """A stage as a subprocess, its output in `log` (mode "a": after an earlier run's); its failure raised
+    with the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
+    with open(log, mode) as out:
         done = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:4])} ... failed ({done.returncode}); its log {log}:\n"
