@@ -1,6 +1,7 @@
 """A reference speculative decoder in plain PyTorch: the HF target, our draft head, a chain of k greedy
 drafts and greedy verification - what vLLM 0.32 runs for EAGLE and EAGLE-3 (one chain, no trees), written
-to be read rather than to be fast (batch of one, a key/value cache kept per layer).
+to be read rather than to be fast (batch of one, a key/value cache kept per layer; train/rollouts.py
+`roll_out_batch` verifies several `Request`s in one target forward).
 
 Two uses: `export/main.py export.verify=true` compares its acceptance with vLLM's counters on the same
 prompts (a flag or convention that differs between training and serving shows up as a gap), and eval's
@@ -94,15 +95,26 @@ def target_forward(
     final post-norm states [T, H] they come from (the teacher of an on-policy rollout)."""
     input_ids_BT = torch.tensor([ids], device=target.device)
     positions_BT = torch.arange(start, start + len(ids), device=target.device)[None]
+    features, logits_BTV, final_BTH = target_states(target, head, input_ids_BT, positions_BT, cache)
+    return features, logits_BTV[0], final_BTH[0]
+
+
+def target_states(
+    target, head: DraftHead, input_ids_BT: Tensor, positions_BT: Tensor, cache, slot_mask_BS=None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`target_forward` of a batch: rows at their own positions, `slot_mask_BS` (1 where a row's cached or
+    new key is real; None: all are) over the cache's slots and the new ones. Features [B, T, (A,) H], logits
+    [B, T, V] and final post-norm states [B, T, H], fp32."""
     layer_ids = head.draft.target_layer_ids
     with capture_aux_states(target, layer_ids) as captured:
         final_BTH = target.model(
-            input_ids=input_ids_BT, position_ids=positions_BT, past_key_values=cache, use_cache=True
-        ).last_hidden_state
-    logits_TV = target.lm_head(final_BTH)[0].float()
+            input_ids=input_ids_BT, attention_mask=slot_mask_BS, position_ids=positions_BT,
+            past_key_values=cache, use_cache=True,
+        ).last_hidden_state  # fmt: skip
+    logits_BTV = target.lm_head(final_BTH).float()
     if head.draft.features == "aux":
-        return torch.stack([captured[i] for i in layer_ids], dim=2).float(), logits_TV, final_BTH[0].float()
-    return final_BTH.float(), logits_TV, final_BTH[0].float()
+        return torch.stack([captured[i] for i in layer_ids], dim=2).float(), logits_BTV, final_BTH.float()
+    return final_BTH.float(), logits_BTV, final_BTH.float()
 
 
 class DraftState:
@@ -209,6 +221,62 @@ class Rounds:
     final: list[Tensor] = field(default_factory=list)  # [k, H]: row i predicts draft i's position
 
 
+class Request:
+    """One request's decoding: what the target has read (its cache holds exactly these positions), its
+    pending token (its next, not yet read by it), the head's state, the output and the counts. A loop
+    drives it: `start` with the prefill's features and logits, then until `done`, `draft` the round's
+    tokens for the target to read and `verify` with what it computed on them."""
+
+    def __init__(
+        self, head: DraftHead, prompt_ids: list[int], num_draft_tokens: int, max_new_tokens: int,
+        stop_token_ids=(), rounds: Rounds | None = None,
+    ):  # fmt: skip
+        if not prompt_ids:
+            raise ValueError("empty prompt: the target needs at least one token")
+        self.ids = list(prompt_ids)
+        self.k, self.max_new, self.stops = num_draft_tokens, max_new_tokens, stop_token_ids
+        self.state, self.rounds, self.counts = DraftState.of(head), rounds, AcceptanceCounts()
+        self.drafts: list[int] = []
+
+    def start(self, features: Tensor, logits_TV: Tensor) -> None:
+        """After the prefill: the target's greedy token is the first output token (no draft yet)."""
+        self.features, self.pending = features, int(logits_TV[-1].argmax())
+        if self.rounds is not None:
+            self.rounds.features.append(features)
+        self.end([self.pending])
+
+    def draft(self) -> list[int]:
+        """The round's drafts; returns what the target reads next: [pending, d_1..d_k]."""
+        self.drafts = self.state.round(self.ids, self.pending, self.features, self.k)
+        return [self.pending, *self.drafts]
+
+    def verify(self, features: Tensor, logits_TV: Tensor, final_TH: Tensor) -> int:
+        """The target read [pending, drafts]: the longest prefix of drafts equal to its greedy tokens is
+        accepted, then its bonus token. Returns how many of the positions it read it keeps (accepted + 1)."""
+        drafts, k = self.drafts, self.k
+        greedy = logits_TV.argmax(-1).tolist()  # greedy[i]: the target's token after position len(ids)+i
+        accepted = 0
+        while accepted < k and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        self.counts.observe(k, accepted)
+        self.features = features[:, : accepted + 1]  # the positions just verified, next for the head to read
+        if self.rounds is not None:
+            self.rounds.anchors.append(len(self.ids) - 1)
+            self.rounds.drafts.append(list(drafts))
+            self.rounds.accepted.append(accepted)
+            self.rounds.final.append(final_TH[:k])
+            self.rounds.features.append(self.features)
+        self.ids += [self.pending, *drafts[:accepted]]
+        self.pending = greedy[accepted]  # the bonus token
+        self.end(self.output + drafts[:accepted] + [self.pending])
+        return accepted + 1
+
+    def end(self, output: list[int]) -> None:
+        self.output, self.done = finish(output, self.max_new, self.stops)
+        if self.done and self.rounds is not None:
+            self.rounds.ids = list(self.ids)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -223,43 +291,18 @@ def speculative_generate(
     with what each verification exposed when given."""
     from transformers import DynamicCache
 
-    if not prompt_ids:
-        raise ValueError("empty prompt: the target needs at least one token")
-    counts = AcceptanceCounts()
+    request = Request(head, prompt_ids, num_draft_tokens, max_new_tokens, stop_token_ids, rounds)
     cache = DynamicCache(config=target.config)
-    ids = list(prompt_ids)  # what the target has read; its cache holds exactly these positions
-    features, logits_TV, _ = target_forward(target, head, ids, cache, start=0)
-    if rounds is not None:
-        rounds.features.append(features)
-    pending = int(logits_TV[-1].argmax())  # the target's next token, not yet read by it
-    output, done = finish([pending], max_new_tokens, stop_token_ids)
-    state = DraftState.of(head)
-    while not done:
-        drafts = state.round(ids, pending, features, num_draft_tokens)
-        features, logits_TV, final_TH = target_forward(
-            target, head, [pending, *drafts], cache, start=len(ids)
-        )
-        greedy = logits_TV.argmax(-1).tolist()  # greedy[i]: the target's token after position len(ids)+i
-        accepted = 0
-        while accepted < num_draft_tokens and drafts[accepted] == greedy[accepted]:
-            accepted += 1
-        counts.observe(num_draft_tokens, accepted)
-        features = features[:, : accepted + 1]  # the positions just verified, next for the head to read
-        if rounds is not None:
-            rounds.anchors.append(len(ids) - 1)
-            rounds.drafts.append(list(drafts))
-            rounds.accepted.append(accepted)
-            rounds.final.append(final_TH[:num_draft_tokens])
-            rounds.features.append(features)
-        ids += [pending, *drafts[:accepted]]
-        rejected = cache.get_seq_length() - len(ids)
+    request.start(*target_forward(target, head, request.ids, cache, start=0)[:2])
+    while not request.done:
+        start = len(request.ids)
+        request.verify(*target_forward(target, head, request.draft(), cache, start))
+        rejected = cache.get_seq_length() - len(request.ids)
         if rejected:
-            cache.crop(-rejected)  # a negative length counts the positions to drop
-        pending = greedy[accepted]  # the bonus token
-        output, done = finish(output + drafts[:accepted] + [pending], max_new_tokens, stop_token_ids)
-    if rounds is not None:
-        rounds.ids = ids
-    return output, counts
+            cache.crop(
+                -rejected
+            )  # the rejected drafts' positions leave the target's cache (a count: negative)
+    return request.output, request.counts
 
 
 def reference_acceptance(

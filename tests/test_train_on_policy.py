@@ -122,6 +122,40 @@ TRAINED = {"eagle3": "regen_head", "peagle": "regen_peagle_head"}
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
+def test_batched_rollouts_are_the_reference_decoders_rollouts(request, smoke_run, kind):
+    """Prompts of different lengths rolled out together (one target forward verifies every row's round,
+    rows finishing at different rounds, a stop token among them) give each prompt's batch-1 rollout: the
+    same sequence, anchors, drafts and decisions; features and teacher states equal but for the batched
+    arithmetic's rounding."""
+    from artifacts.cache import CacheSplit
+    from heads.reference_decoder import DraftHead, load_head
+    from train.rollouts import prompt_ids, roll_out, roll_out_batch
+
+    if kind in TRAINED:
+        run_dir = request.getfixturevalue(TRAINED[kind])
+        _, _, target, _ = smoke_head_of("eagle3", run_dir)
+        head = load_head(run_dir / "draft_head", target)
+    else:
+        run_dir = smoke_run
+        _, draft, target, d2t = smoke_head_of(kind, run_dir)
+        head = DraftHead(draft, d2t)
+    split = CacheSplit(run_dir / "cache", "train")
+    prompts = [prompt_ids(split, i) for i in range(4)]
+    assert len({len(p) for p in prompts}) > 1, "rows of different lengths: left padding exercised"
+    alone = [roll_out(target, head, p, 3, 24, ()) for p in prompts]
+    stop = int(alone[1].input_ids[len(prompts[1]) + 5])  # row 1 stops early; others may too
+    alone = [roll_out(target, head, p, 3, 24, [stop]) for p in prompts]
+    batched = roll_out_batch(target, head, prompts, 3, 24, [stop])
+    assert len({len(r.anchors) for r in alone}) > 1, "rows finish at different rounds"
+    for one, together in zip(alone, batched):
+        for name in ("input_ids", "anchors", "drafts", "accepted"):
+            assert torch.equal(getattr(one, name), getattr(together, name)), name
+        for name in ("features", "final"):
+            torch.testing.assert_close(getattr(together, name).float(), getattr(one, name).float(),
+                                       atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_a_replay_drafts_what_the_rollout_drafted_and_decides_as_the_reference_decoder(
     request, smoke_run, kind
 ):

@@ -54,7 +54,14 @@ from train.model import DraftWithLoss, build_draft, head_record, init_lm_head, n
 from train.objectives import parse_objective
 from train.optim import make_optimizer, make_scheduler
 from train.resume import StopRequest, drop_records_after, resume_point
-from train.rollouts import collate_rollouts, prompt_ids, read_rollouts, roll_out, write_rollouts
+from train.rollouts import (
+    collate_rollouts,
+    prompt_ids,
+    read_rollouts,
+    roll_out,
+    roll_out_batch,
+    write_rollouts,
+)
 
 log = logging.getLogger("train")
 
@@ -255,8 +262,17 @@ def decode(setup: Setup, draft, prompts: list[list[int]], desc: str) -> list:
     head = DraftHead(draft, setup.draft_to_target)
     was_training = draft.training
     draft.eval()
-    bar = tqdm(prompts, desc=desc, unit="prompt", disable=not setup.accelerator.is_main_process, leave=False)
-    rollouts = [roll_out(setup.target, head, prompt, k, max_new, setup.stop_ids) for prompt in bar]
+    size = setup.cfg.on_policy.rollout_batch_size
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not setup.accelerator.is_main_process,
+               leave=False)  # fmt: skip
+    rollouts = []
+    for group in (prompts[i : i + size] for i in range(0, len(prompts), size)):
+        if size == 1:  # the reference decoder itself
+            rollouts += [roll_out(setup.target, head, group[0], k, max_new, setup.stop_ids)]
+        else:
+            rollouts += roll_out_batch(setup.target, head, group, k, max_new, setup.stop_ids)
+        bar.update(len(group))
+    bar.close()
     draft.train(was_training)
     return rollouts
 

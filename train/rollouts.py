@@ -35,7 +35,14 @@ from safetensors.torch import load_file
 from artifacts import atomic
 from artifacts.cache import HIDDEN_DTYPE, CacheSplit
 from heads.acceptance import AcceptanceCounts
-from heads.reference_decoder import DraftHead, Rounds, speculative_generate
+from heads.reference_decoder import (
+    DraftHead,
+    Request,
+    Rounds,
+    speculative_generate,
+    target_forward,
+    target_states,
+)
 
 
 @dataclass
@@ -73,6 +80,82 @@ def roll_out(
     """Decode `prompt` with `head` drafting `num_draft_tokens` a round and the target verifying (greedy)."""
     rounds = Rounds()
     speculative_generate(target, head, prompt, num_draft_tokens, max_new_tokens, stop_ids, rounds=rounds)
+    return rollout_of(rounds, num_draft_tokens)
+
+
+@torch.inference_mode()
+def roll_out_batch(
+    target, head: DraftHead, prompts: list[list[int]], num_draft_tokens: int, max_new_tokens: int, stop_ids
+) -> list[Rollout]:
+    """`roll_out` of several prompts at once: one target forward verifies every unfinished prompt's round,
+    so the target's weights are read once for them all (on a CPU, most of a round's time). Each prompt is
+    its own `Request` - prefilled alone, drafted alone by the head, accepted as the reference decoder
+    accepts - so only the target's arithmetic is batched. The rows share one cache of slots: the prompts'
+    keys left-padded, then every round's k+1 for every row; a row's slot mask hides its pads and the
+    drafts it rejected, which stay in their slots instead of being cropped. A finished row leaves the batch,
+    and slots no row still sees leave the cache with it."""
+    from transformers import DynamicCache
+
+    requests = [Request(head, p, num_draft_tokens, max_new_tokens, stop_ids, Rounds()) for p in prompts]
+    caches = []
+    for request in requests:
+        cache = DynamicCache(config=target.config)
+        request.start(*target_forward(target, head, request.ids, cache, start=0)[:2])
+        caches.append(cache)
+    rows = [r for r in requests if not r.done]
+    cache, mask_BS = stack_caches([c for c, r in zip(caches, requests) if not r.done], target)
+    del caches
+    steps = torch.arange(num_draft_tokens + 1, device=target.device)
+    while rows:
+        ids_BT = torch.tensor([r.draft() for r in rows], device=target.device)
+        positions_BT = torch.tensor([len(r.ids) for r in rows], device=target.device)[:, None] + steps
+        slots = mask_BS.shape[1]
+        mask_BS = torch.cat([mask_BS, torch.ones_like(ids_BT)], dim=1)
+        features, logits_BTV, final_BTH = target_states(target, head, ids_BT, positions_BT, cache, mask_BS)
+        for b, request in enumerate(rows):
+            kept = request.verify(features[b : b + 1], logits_BTV[b], final_BTH[b])
+            mask_BS[b, slots + kept :] = 0
+        if any(r.done for r in rows):
+            keep = torch.tensor(
+                [b for b, r in enumerate(rows) if not r.done], dtype=torch.int64, device=target.device
+            )
+            mask_BS = mask_BS[keep]
+            seen = mask_BS.any(0)
+            mask_BS = mask_BS[:, seen]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[keep][:, :, seen], layer.values[keep][:, :, seen]
+            rows = [r for r in rows if not r.done]
+    return [rollout_of(r.rounds, num_draft_tokens) for r in requests]
+
+
+def stack_caches(caches: list, target):
+    """One cache of the rows' single-row caches, left-padded to the longest, and its slot mask [B, S] (1:
+    a row's real key)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    lengths = [c.get_seq_length() for c in caches]
+    mask_BS = torch.zeros(len(caches), max(lengths, default=0), dtype=torch.int64, device=target.device)
+    for b, length in enumerate(lengths):
+        mask_BS[b, mask_BS.shape[1] - length :] = 1
+    stacked = DynamicCache(config=target.config)
+    if not caches:
+        return stacked, mask_BS
+    for i, layer in enumerate(caches[0].layers):
+        if type(layer) is not DynamicLayer:  # a sliding window drops slots: not one cache of slots
+            raise ValueError(
+                f"{type(target).__name__}: {type(layer).__name__} cache layers cannot batch rollouts; "
+                "set on_policy.rollout_batch_size=1"
+            )
+        pad = [(0, 0, mask_BS.shape[1] - n, 0) for n in lengths]
+        keys = torch.cat([torch.nn.functional.pad(c.layers[i].keys, p) for c, p in zip(caches, pad)])
+        values = torch.cat([torch.nn.functional.pad(c.layers[i].values, p) for c, p in zip(caches, pad)])
+        stacked.update(keys, values, i)
+    return stacked, mask_BS
+
+
+def rollout_of(rounds: Rounds, num_draft_tokens: int) -> Rollout:
+    """A finished request's `Rounds` as a `Rollout` (features and final states in the cache's dtype)."""
     features = torch.cat(rounds.features, dim=1)[0]
     assert features.shape[0] == len(rounds.ids), "a feature row for every position the target read"
     return Rollout(

@@ -172,6 +172,9 @@ class OnPolicyConfig:
     # settings, artifacts/config/combinations.py: a bad export k is named as export's)
     num_speculative_tokens: int = "${export.num_speculative_tokens}"
     max_new_tokens: int = checked(128, POSITIVE)  # tokens a rollout generates at most
+    # prompts decoded together, one target forward verifying all their rounds (train/rollouts.py
+    # `roll_out_batch`; 1: the reference decoder, a prompt at a time)
+    rollout_batch_size: int = checked(16, POSITIVE)
     # what the accepted drafts minimise (train.loss's syntax; Draft-OPD: kl, forward KL)
     accepted_loss: str = checked("kl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum"))
     # what the rejected drafts minimise (Draft-OPD: rkl, reverse KL; kl: its forward-only ablation)
