@@ -78,20 +78,28 @@ def supervised(args, seed: int, out: Path, overrides: list[str], seconds: float)
 
 
 def acceptance(args, head_dir: Path, overrides: list[str]) -> dict:
-    """The reference decoder's acceptance of the head on the cache's first --prompts held-out prompts."""
+    """The reference decoder's acceptance of the head on the cache's first --prompts held-out prompts, 16
+    decoded together (train/rollouts.py `roll_out_all`: a test holds its decisions equal to batch 1's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from artifacts.config import compose
     from artifacts.prompts import held_out_prompts, stop_token_ids
-    from heads.reference_decoder import reference_acceptance
+    from heads.acceptance import AcceptanceCounts
+    from heads.reference_decoder import inference_device, load_head
     from target.model import load_tokenizer, target_dir
+    from train.rollouts import roll_out_all
 
     cfg = compose("config", [f"run_dir={args.run_dir}", *overrides])
     tokenizer = load_tokenizer(cfg.target)
     prompts = held_out_prompts(args.run_dir / "cache", tokenizer, args.prompts)
-    _, counts = reference_acceptance(
-        target_dir(cfg.target), head_dir, prompts, cfg.on_policy.num_speculative_tokens, args.max_new_tokens,
-        stop_token_ids(tokenizer, target_dir(cfg.target)),
-    )  # fmt: skip
-    return {"num_prompts": len(prompts), "k": cfg.on_policy.num_speculative_tokens, **counts.summary()}
+    target = AutoModelForCausalLM.from_pretrained(target_dir(cfg.target), dtype=torch.float32)
+    target = target.eval().requires_grad_(False).to(inference_device())
+    head, k = load_head(head_dir, target), cfg.on_policy.num_speculative_tokens
+    stops = stop_token_ids(tokenizer, target_dir(cfg.target))
+    rollouts = roll_out_all(target, head, prompts, k, args.max_new_tokens, stops)
+    counts = sum((r.counts() for r in rollouts), AcceptanceCounts())
+    return {"num_prompts": len(prompts), "k": k, **counts.summary()}
 
 
 def measured(args, name: str, train, overrides: list[str]) -> dict:

@@ -27,7 +27,7 @@ from artifacts.config import compose
 from artifacts.prompts import stop_token_ids
 from heads.reference_decoder import inference_device, load_head
 from target.model import load_tokenizer, target_dir
-from train.rollouts import prompt_ids, roll_out, roll_out_batch
+from train.rollouts import prompt_ids, roll_out_all
 
 
 def main(argv=None) -> None:
@@ -58,13 +58,7 @@ def main(argv=None) -> None:
     results, reference = [], None
     for size in args.batch_sizes:
         start = time.perf_counter()
-        rollouts = []
-        for i in range(0, len(prompts), size):
-            group = prompts[i : i + size]
-            if size == 1:
-                rollouts.append(roll_out(target, head, group[0], args.k, args.max_new_tokens, stops))
-            else:
-                rollouts += roll_out_batch(target, head, group, args.k, args.max_new_tokens, stops)
+        rollouts = roll_out_all(target, head, prompts, args.k, args.max_new_tokens, stops, batch_size=size)
         seconds = time.perf_counter() - start
         decisions = [(r.input_ids.tolist(), r.drafts.tolist(), r.accepted.tolist()) for r in rollouts]
         reference = reference or decisions

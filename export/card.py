@@ -83,7 +83,8 @@ def stages_section(stages: list[dict]) -> list[str]:
         ]  # fmt: skip
         lines += [
             f"- on-policy: {sum(r['iteration'] > 0 for r in iterations)} iterations of rollouts (the head "
-            "drafting, the target verifying, greedy) and replay from their rounds (iteration 0: before any)",
+            f"drafting k={stage.get('k', '?')}, the target verifying at temperature "
+            f"{stage.get('temperature', 0.0):g}) and replay from their rounds (iteration 0: before any)",
             "",
             *table(
                 ["iteration", "step", "rollouts", "rollout acceptance length", "held-out acceptance length"],

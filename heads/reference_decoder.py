@@ -1,7 +1,8 @@
 """A reference speculative decoder in plain PyTorch: the HF target, our draft head, a chain of k greedy
-drafts and greedy verification - what vLLM 0.32 runs for EAGLE and EAGLE-3 (one chain, no trees), written
-to be read rather than to be fast (batch of one, a key/value cache kept per layer; train/rollouts.py
-`roll_out_batch` verifies several `Request`s in one target forward).
+drafts and greedy verification (or, at a temperature, vLLM's rejection sampling of them) - what vLLM 0.32
+runs for EAGLE and EAGLE-3 (one chain, no trees), written to be read rather than to be fast (batch of one,
+a key/value cache kept per layer; train/rollouts.py `roll_out_batch` verifies several `Request`s in one
+target forward).
 
 Two uses: `export/main.py export.verify=true` compares its acceptance with vLLM's counters on the same
 prompts (a flag or convention that differs between training and serving shows up as a gap), and eval's
@@ -23,7 +24,10 @@ One request, in vLLM's order so that the counts equal its counters:
    token i at RoPE position t+i with the previous step's pre-norm output as its hidden state;
 3. verify: the target reads [its pending token, d_1..d_k]; the longest prefix of drafts equal to its
    greedy tokens is accepted, then its bonus token; (k, accepted) is counted before any stop or max-tokens
-   truncation, as vLLM's scheduler counts;
+   truncation, as vLLM's scheduler counts. At temperature T > 0 (`Request.accepts`, `sample`), draft i is
+   accepted when the target's probability of it at T is at least a uniform draw, the first rejected one is
+   replaced by a draw from the target's distribution without it, the bonus token is a draw: the output is
+   distributed as the target's own sampling;
 4. repeat until `max_new_tokens` or a stop token.
 Parallel drafting (P-EAGLE, a head with a mask token): step 2 proposes the whole chain in one pass - draft 1
 from the last verified position, drafts 2..k from k-1 mask slots at positions t+1..t+k-1 that read the
@@ -88,30 +92,34 @@ def load_head(head_dir: Path, target, weight_dtype: str = "float32") -> DraftHea
 
 
 def target_forward(
-    target, head: DraftHead, ids: list[int], cache, start: int
+    target, head: DraftHead, ids: list[int], cache, start: int, last_logits: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The target reads `ids` at positions start.. (its cache holds the ones before): the head's features
-    of those positions (EAGLE-3 aux [1, T, A, H], EAGLE-1 final post-norm [1, T, H]), logits [T, V] and the
-    final post-norm states [T, H] they come from (the teacher of an on-policy rollout)."""
+    of those positions (EAGLE-3 aux [1, T, A, H], EAGLE-1 final post-norm [1, T, H]), logits [T, V] (only
+    the last position's, [1, V], with `last_logits`: a prefill's) and the final post-norm states [T, H] they
+    come from (the teacher of an on-policy rollout)."""
     input_ids_BT = torch.tensor([ids], device=target.device)
     positions_BT = torch.arange(start, start + len(ids), device=target.device)[None]
-    features, logits_BTV, final_BTH = target_states(target, head, input_ids_BT, positions_BT, cache)
+    features, logits_BTV, final_BTH = target_states(
+        target, head, input_ids_BT, positions_BT, cache, last_logits=last_logits
+    )
     return features, logits_BTV[0], final_BTH[0]
 
 
 def target_states(
-    target, head: DraftHead, input_ids_BT: Tensor, positions_BT: Tensor, cache, slot_mask_BS=None
-) -> tuple[Tensor, Tensor, Tensor]:
+    target, head: DraftHead, input_ids_BT: Tensor, positions_BT: Tensor, cache, slot_mask_BS=None,
+    last_logits: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """`target_forward` of a batch: rows at their own positions, `slot_mask_BS` (1 where a row's cached or
     new key is real; None: all are) over the cache's slots and the new ones. Features [B, T, (A,) H], logits
-    [B, T, V] and final post-norm states [B, T, H], fp32."""
+    [B, T, V] ([B, 1, V] with `last_logits`) and final post-norm states [B, T, H], fp32."""
     layer_ids = head.draft.target_layer_ids
     with capture_aux_states(target, layer_ids) as captured:
         final_BTH = target.model(
             input_ids=input_ids_BT, attention_mask=slot_mask_BS, position_ids=positions_BT,
             past_key_values=cache, use_cache=True,
         ).last_hidden_state  # fmt: skip
-    logits_BTV = target.lm_head(final_BTH).float()
+    logits_BTV = target.lm_head(final_BTH[:, -1:] if last_logits else final_BTH).float()
     if head.draft.features == "aux":
         return torch.stack([captured[i] for i in layer_ids], dim=2).float(), logits_BTV, final_BTH.float()
     return final_BTH.float(), logits_BTV, final_BTH.float()
@@ -229,7 +237,7 @@ class Request:
 
     def __init__(
         self, head: DraftHead, prompt_ids: list[int], num_draft_tokens: int, max_new_tokens: int,
-        stop_token_ids=(), rounds: Rounds | None = None,
+        stop_token_ids=(), rounds: Rounds | None = None, temperature: float = 0.0, seed: int = 0,
     ):  # fmt: skip
         if not prompt_ids:
             raise ValueError("empty prompt: the target needs at least one token")
@@ -237,10 +245,11 @@ class Request:
         self.k, self.max_new, self.stops = num_draft_tokens, max_new_tokens, stop_token_ids
         self.state, self.rounds, self.counts = DraftState.of(head), rounds, AcceptanceCounts()
         self.drafts: list[int] = []
+        self.temperature, self.seed, self.generator = temperature, seed, None
 
     def start(self, features: Tensor, logits_TV: Tensor) -> None:
-        """After the prefill: the target's greedy token is the first output token (no draft yet)."""
-        self.features, self.pending = features, int(logits_TV[-1].argmax())
+        """After the prefill: the target's token is the first output token (no draft yet)."""
+        self.features, self.pending = features, self.sample(logits_TV[-1])
         if self.rounds is not None:
             self.rounds.features.append(features)
         self.end([self.pending])
@@ -251,12 +260,12 @@ class Request:
         return [self.pending, *self.drafts]
 
     def verify(self, features: Tensor, logits_TV: Tensor, final_TH: Tensor) -> int:
-        """The target read [pending, drafts]: the longest prefix of drafts equal to its greedy tokens is
-        accepted, then its bonus token. Returns how many of the positions it read it keeps (accepted + 1)."""
+        """The target read [pending, drafts] (logits_TV[i]: its distribution after position len(ids)+i): the
+        longest prefix of drafts it accepts (`accepts`), then its own token at the first rejection, or its
+        bonus token after all k. Returns how many of the positions it read it keeps (accepted + 1)."""
         drafts, k = self.drafts, self.k
-        greedy = logits_TV.argmax(-1).tolist()  # greedy[i]: the target's token after position len(ids)+i
         accepted = 0
-        while accepted < k and drafts[accepted] == greedy[accepted]:
+        while accepted < k and self.accepts(logits_TV[accepted], drafts[accepted]):
             accepted += 1
         self.counts.observe(k, accepted)
         self.features = features[:, : accepted + 1]  # the positions just verified, next for the head to read
@@ -267,9 +276,38 @@ class Request:
             self.rounds.final.append(final_TH[:k])
             self.rounds.features.append(self.features)
         self.ids += [self.pending, *drafts[:accepted]]
-        self.pending = greedy[accepted]  # the bonus token
+        self.pending = self.sample(logits_TV[accepted], drafts[accepted] if accepted < k else None)
         self.end(self.output + drafts[:accepted] + [self.pending])
         return accepted + 1
+
+    def accepts(self, logits_V: Tensor, draft: int) -> bool:
+        """Greedy (temperature 0): the draft is the target's argmax. Sampled: vLLM's rejection sampling of
+        a draft without probabilities (its argmax drafts): accepted when the target's probability of it at
+        the temperature is at least a uniform draw."""
+        if self.temperature == 0:
+            return draft == int(logits_V.argmax())
+        probability = torch.softmax(logits_V / self.temperature, dim=-1)[draft]
+        return bool(
+            probability
+            >= torch.rand((), generator=self.generator_on(logits_V.device), device=logits_V.device)
+        )
+
+    def sample(self, logits_V: Tensor, rejected: int | None = None) -> int:
+        """The target's own token: its argmax at temperature 0, else a draw from its distribution at the
+        temperature - without the draft it `rejected`, when there is one (vLLM's recovered token: the
+        residual of the target's distribution and a one-hot draft), which keeps the output the target's."""
+        if self.temperature == 0:
+            return int(logits_V.argmax())
+        probs_V = torch.softmax(logits_V / self.temperature, dim=-1)
+        if rejected is not None:
+            probs_V[rejected] = 0
+        return int(torch.multinomial(probs_V, 1, generator=self.generator_on(logits_V.device)))
+
+    def generator_on(self, device) -> torch.Generator:
+        """The request's own random stream (seeded: a request decodes the same alone or in a batch)."""
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
 
     def end(self, output: list[int]) -> None:
         self.output, self.done = finish(output, self.max_new, self.stops)
@@ -286,14 +324,19 @@ def speculative_generate(
     max_new_tokens: int,
     stop_token_ids=(),
     rounds: Rounds | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> tuple[list[int], AcceptanceCounts]:
-    """Greedy speculative decoding of one prompt: (output token ids, acceptance counts); `rounds` filled
-    with what each verification exposed when given."""
+    """Speculative decoding of one prompt, greedy or (temperature > 0) sampled as vLLM verifies, seeded:
+    (output token ids, acceptance counts); `rounds` filled with what each verification exposed when
+    given."""
     from transformers import DynamicCache
 
-    request = Request(head, prompt_ids, num_draft_tokens, max_new_tokens, stop_token_ids, rounds)
+    request = Request(
+        head, prompt_ids, num_draft_tokens, max_new_tokens, stop_token_ids, rounds, temperature, seed
+    )
     cache = DynamicCache(config=target.config)
-    request.start(*target_forward(target, head, request.ids, cache, start=0)[:2])
+    request.start(*target_forward(target, head, request.ids, cache, start=0, last_logits=True)[:2])
     while not request.done:
         start = len(request.ids)
         request.verify(*target_forward(target, head, request.draft(), cache, start))

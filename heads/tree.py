@@ -63,7 +63,7 @@ def greedy_run(
 
     cache = DynamicCache(config=target.config)
     ids = list(prompt_ids)
-    _, logits_TV, _ = target_forward(target, head, ids, cache, start=0)
+    _, logits_TV, _ = target_forward(target, head, ids, cache, start=0, last_logits=True)
     for _ in range(num_tokens):
         ids.append(int(logits_TV[-1].argmax()))
         _, logits_TV, _ = target_forward(target, head, ids[-1:], cache, start=len(ids) - 1)

@@ -59,6 +59,35 @@ def greedy(target, prompt, n):
 PROMPT = [5, 77, 301, 12, 9, 640, 33]
 
 
+def test_sampled_verification_keeps_the_targets_distribution(target_and_head):
+    """At a temperature the output is the target's sampling (vLLM's rejection sampling of argmax drafts):
+    the first token after a round is distributed as the target's distribution at T whether the draft was
+    likely or not, and the second, given the first draft accepted, as the target's there; a recovered token
+    drawn with the rejected draft left in would give the draft (1 - p) p too much."""
+    from heads.reference_decoder import Request
+
+    _, head = target_and_head
+    t, draws = 0.7, 20_000
+    logits_TV = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 1.5, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    probs_TV = torch.softmax(logits_TV / t, -1)
+    first, second = torch.zeros(4), torch.zeros(4)
+    for seed in range(draws):
+        request = Request(head, [1], 2, 8, temperature=t, seed=seed)
+        request.output, request.pending, request.drafts = [], 0, [1, 1]  # draft 1 is p = 0.19 likely
+        request.verify(torch.zeros(1, 3, 1), logits_TV, torch.zeros(3, 1))
+        first[request.output[0]] += 1
+        if request.output[0] == 1:
+            second[request.output[1]] += 1
+    for counts, probs in ((first, probs_TV[0]), (second, probs_TV[1])):
+        n = counts.sum()
+        sigma = (probs * (1 - probs) / n).sqrt()
+        assert ((counts / n - probs).abs() < 4 * sigma + 1e-3).all(), (counts / n, probs)
+    # a seed is a stream: the same seed draws the same tokens, another seed others
+    streams = [Request(head, [1], 2, 8, temperature=t, seed=seed) for seed in (3, 3, 4)]
+    drawn = [[r.sample(logits_TV[2]) for _ in range(32)] for r in streams]
+    assert drawn[0] == drawn[1] != drawn[2]
+
+
 def test_output_is_the_targets_greedy_output(target_and_head):
     target, head = target_and_head
     output, counts = speculative_generate(target, head, PROMPT, num_draft_tokens=3, max_new_tokens=20)

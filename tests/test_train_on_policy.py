@@ -276,10 +276,12 @@ def test_the_stage_trains_from_the_supervised_head_and_a_resume_equals_an_uninte
     record = read_record(out / "draft_head")
     stages = record.training["stages"]
     assert [s["stage"] for s in stages] == ["supervised", "on_policy"]
+    assert (stages[1]["k"], stages[1]["temperature"], stages[1]["max_new_tokens"]) == (3, 0.0, 16)
     assert stages[0]["num_steps"] == 4 and len(stages[1]["iterations"]) == 3
     assert record.training["num_steps"] == 4
     card = "\n".join(stages_section(stages))
     assert "- supervised: 4 optimizer steps" in card and "- on-policy: 2 iterations" in card
+    assert "drafting k=3, the target verifying at temperature 0)" in card
     assert card.count("\n| ") == 1 + 3  # the header and iterations 0 (before any), 1 and 2
     uninterrupted = [json.loads(line)["loss"] for line in (out / "train_steps.jsonl").open()]
     # W&B (offline): every step's loss as train_steps.jsonl holds it, each iteration's held-out acceptance
@@ -317,11 +319,13 @@ def test_the_stage_trains_from_the_supervised_head_and_a_resume_equals_an_uninte
 def test_two_processes_train_as_one_process_with_the_same_global_batch(
     on_policy_run, tmp_path, subprocess_env
 ):
-    """Under DDP each process rolls out its share of the prompts, the replay's global batch is the same
-    rollouts in the same order, and each term is a mean over that batch: the run equals one process's."""
+    """Under DDP each process rolls out its share of the prompts (sampled from each prompt's own seeded
+    stream), the replay's global batch is the same rollouts in the same order, and each term is a mean over
+    that batch: the run equals one process's."""
     from train.main import run
 
-    settings = [o for o in STAGE if not o.startswith("train.batch_size")] + ["on_policy.num_iterations=1"]
+    settings = [o for o in STAGE if not o.startswith("train.batch_size")]
+    settings += ["on_policy.num_iterations=1", "on_policy.temperature=1"]  # sampled: each prompt its stream
     run(smoke_config(on_policy_run, *settings, "train.batch_size=2"))
     ddp = tmp_path / "ddp"
     shutil.copytree(on_policy_run, ddp, ignore=shutil.ignore_patterns("on_policy"))

@@ -8,8 +8,9 @@ docs/recipe.md#on-policy-training-measured).
 Starts from the supervised head in <run_dir>/draft_head (or on_policy.init_from) and repeats
 on_policy.num_iterations times: roll out (train/rollouts.py: the target decodes on_policy.num_prompts
 training prompts of the cache with the current head drafting k = on_policy.num_speculative_tokens a round,
-greedy, each process its share), then replay (train/losses/replay.py: on_policy.num_steps optimizer steps
-on those rollouts, the head drafting again from each round's anchor). Held-out prompts are rolled out before
+greedy or sampled at on_policy.temperature, each process its share, on_policy.rollout_batch_size prompts
+at a time), then replay (train/losses/replay.py: on_policy.num_steps optimizer steps on those rollouts, the
+head drafting again from each round's anchor). Held-out prompts are rolled out before
 the first step and every on_policy.eval_every iterations: the acceptance the head serves at, measured.
 
 Writes <out_dir> (on_policy.out_dir, default <run_dir>/on_policy), a run directory of its own:
@@ -54,14 +55,7 @@ from train.model import DraftWithLoss, build_draft, head_record, init_lm_head, n
 from train.objectives import parse_objective
 from train.optim import make_optimizer, make_scheduler
 from train.resume import StopRequest, drop_records_after, resume_point
-from train.rollouts import (
-    collate_rollouts,
-    prompt_ids,
-    read_rollouts,
-    roll_out,
-    roll_out_batch,
-    write_rollouts,
-)
+from train.rollouts import collate_rollouts, prompt_ids, read_rollouts, roll_out_all, write_rollouts
 
 log = logging.getLogger("train")
 
@@ -190,7 +184,13 @@ def run(cfg: DictConfig) -> dict | None:
         supervised = read_record(init_from)
         record.training["stages"] = [
             {"stage": "supervised", "from": str(init_from), **supervised.training},
-            {"stage": "on_policy", "iterations": read_records(out_dir / "on_policy.jsonl")},
+            {
+                "stage": "on_policy",
+                "k": cfg.on_policy.num_speculative_tokens,
+                "temperature": cfg.on_policy.temperature,
+                "max_new_tokens": cfg.on_policy.max_new_tokens,
+                "iterations": read_records(out_dir / "on_policy.jsonl"),
+            },
         ]
         write_head(out_dir / "draft_head", record, weights, cache_dir / "vocab.safetensors")
         log.info("final head: %s", out_dir / "draft_head")
@@ -244,9 +244,9 @@ def rollouts_of(setup: Setup, iteration: int, draft) -> tuple[list, float]:
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         indices = iteration_prompts(cfg, len(setup.train_split), iteration, rank, world)
-        rollouts = decode(
-            setup, draft, [prompt_ids(setup.train_split, i) for i in indices], f"rollouts {iteration}"
-        )
+        prompts = [prompt_ids(setup.train_split, i) for i in indices]
+        seeds = [rollout_seed(cfg, iteration, i) for i in indices]
+        rollouts = decode(setup, draft, prompts, seeds, f"rollouts {iteration}")
         write_rollouts(mine, rollouts)
         seconds = time.perf_counter() - start
     accelerator.wait_for_everyone()
@@ -256,22 +256,26 @@ def rollouts_of(setup: Setup, iteration: int, draft) -> tuple[list, float]:
     return [shares[i % world][i // world] for i in range(sum(map(len, shares)))], seconds
 
 
-def decode(setup: Setup, draft, prompts: list[list[int]], desc: str) -> list:
-    """Rollouts of `prompts` with the head as it is now (greedy, losslessly: the target's own answers)."""
+def rollout_seed(cfg, iteration: int, index: int) -> int:
+    """The random stream of a prompt's rollout at an iteration (-1: the held-out ones), the same whichever
+    process or batch decodes it."""
+    return (cfg.seed * 1_000_003 + iteration + 1) * 1_000_033 + index
+
+
+def decode(setup: Setup, draft, prompts: list[list[int]], seeds: list[int], desc: str) -> list:
+    """Rollouts of `prompts` with the head as it is now, losslessly (the target's own answers: greedy, or
+    sampled at on_policy.temperature from each prompt's seeded stream)."""
     k, max_new = setup.cfg.on_policy.num_speculative_tokens, setup.cfg.on_policy.max_new_tokens
+    temperature = setup.cfg.on_policy.temperature
     head = DraftHead(draft, setup.draft_to_target)
     was_training = draft.training
     draft.eval()
-    size = setup.cfg.on_policy.rollout_batch_size
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not setup.accelerator.is_main_process,
                leave=False)  # fmt: skip
-    rollouts = []
-    for group in (prompts[i : i + size] for i in range(0, len(prompts), size)):
-        if size == 1:  # the reference decoder itself
-            rollouts += [roll_out(setup.target, head, group[0], k, max_new, setup.stop_ids)]
-        else:
-            rollouts += roll_out_batch(setup.target, head, group, k, max_new, setup.stop_ids)
-        bar.update(len(group))
+    rollouts = roll_out_all(
+        setup.target, head, prompts, k, max_new, setup.stop_ids, temperature, seeds,
+        setup.cfg.on_policy.rollout_batch_size, bar,
+    )  # fmt: skip
     bar.close()
     draft.train(was_training)
     return rollouts
@@ -284,7 +288,8 @@ def held_out(setup: Setup, draft) -> dict:
     n = min(cfg.on_policy.num_eval_prompts, len(setup.eval_split))
     mine = range(accelerator.process_index, n, accelerator.num_processes)
     start = time.perf_counter()
-    rollouts = decode(setup, draft, [prompt_ids(setup.eval_split, i) for i in mine], "held-out rollouts")
+    prompts = [prompt_ids(setup.eval_split, i) for i in mine]
+    rollouts = decode(setup, draft, prompts, [rollout_seed(cfg, -1, i) for i in mine], "held-out rollouts")
     counts = sum((r.counts() for r in rollouts), AcceptanceCounts())
     k = cfg.on_policy.num_speculative_tokens
     local = torch.tensor(

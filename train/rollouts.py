@@ -75,32 +75,42 @@ def prompt_ids(split: CacheSplit, index: int) -> list[int]:
 
 
 def roll_out(
-    target, head: DraftHead, prompt: list[int], num_draft_tokens: int, max_new_tokens: int, stop_ids
-) -> Rollout:
-    """Decode `prompt` with `head` drafting `num_draft_tokens` a round and the target verifying (greedy)."""
+    target, head: DraftHead, prompt: list[int], num_draft_tokens: int, max_new_tokens: int, stop_ids,
+    temperature: float = 0.0, seed: int = 0,
+) -> Rollout:  # fmt: skip
+    """Decode `prompt` with `head` drafting `num_draft_tokens` a round and the target verifying (greedy, or
+    sampled at `temperature` from a stream seeded `seed`)."""
     rounds = Rounds()
-    speculative_generate(target, head, prompt, num_draft_tokens, max_new_tokens, stop_ids, rounds=rounds)
+    speculative_generate(
+        target, head, prompt, num_draft_tokens, max_new_tokens, stop_ids, rounds, temperature, seed
+    )
     return rollout_of(rounds, num_draft_tokens)
 
 
 @torch.inference_mode()
 def roll_out_batch(
-    target, head: DraftHead, prompts: list[list[int]], num_draft_tokens: int, max_new_tokens: int, stop_ids
-) -> list[Rollout]:
+    target, head: DraftHead, prompts: list[list[int]], num_draft_tokens: int, max_new_tokens: int, stop_ids,
+    temperature: float = 0.0, seeds: list[int] | None = None,
+) -> list[Rollout]:  # fmt: skip
     """`roll_out` of several prompts at once: one target forward verifies every unfinished prompt's round,
     so the target's weights are read once for them all (on a CPU, most of a round's time). Each prompt is
     its own `Request` - prefilled alone, drafted alone by the head, accepted as the reference decoder
-    accepts - so only the target's arithmetic is batched. The rows share one cache of slots: the prompts'
-    keys left-padded, then every round's k+1 for every row; a row's slot mask hides its pads and the
-    drafts it rejected, which stay in their slots instead of being cropped. A finished row leaves the batch,
-    and slots no row still sees leave the cache with it."""
+    accepts from its own seeded stream (`seeds`, at `temperature`) - so only the target's arithmetic is
+    batched. The rows share one cache of slots: the prompts' keys left-padded, then every round's k+1 for
+    every row; a row's slot mask hides its pads and the drafts it rejected, which stay in their slots
+    instead of being cropped. A finished row leaves the batch, and slots no row still sees leave the cache
+    with it."""
     from transformers import DynamicCache
 
-    requests = [Request(head, p, num_draft_tokens, max_new_tokens, stop_ids, Rounds()) for p in prompts]
+    seeds = range(len(prompts)) if seeds is None else seeds
+    requests = [
+        Request(head, p, num_draft_tokens, max_new_tokens, stop_ids, Rounds(), temperature, seed)
+        for p, seed in zip(prompts, seeds, strict=True)
+    ]
     caches = []
     for request in requests:
         cache = DynamicCache(config=target.config)
-        request.start(*target_forward(target, head, request.ids, cache, start=0)[:2])
+        request.start(*target_forward(target, head, request.ids, cache, start=0, last_logits=True)[:2])
         caches.append(cache)
     rows = [r for r in requests if not r.done]
     cache, mask_BS = stack_caches([c for c, r in zip(caches, requests) if not r.done], target)
@@ -126,6 +136,30 @@ def roll_out_batch(
                 layer.keys, layer.values = layer.keys[keep][:, :, seen], layer.values[keep][:, :, seen]
             rows = [r for r in rows if not r.done]
     return [rollout_of(r.rounds, num_draft_tokens) for r in requests]
+
+
+def roll_out_all(
+    target, head: DraftHead, prompts: list[list[int]], num_draft_tokens: int, max_new_tokens: int, stop_ids,
+    temperature: float = 0.0, seeds: list[int] | None = None, batch_size: int = 16, progress=None,
+) -> list[Rollout]:  # fmt: skip
+    """Rollouts of `prompts` in their order, `batch_size` decoded together (1: the reference decoder, a
+    prompt at a time), in order of length so that a batch pads little; `progress` (a tqdm bar) is advanced
+    by each batch's prompts."""
+    seeds = list(range(len(prompts))) if seeds is None else seeds
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    rollouts: list[Rollout | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        args = (num_draft_tokens, max_new_tokens, stop_ids, temperature)
+        if batch_size == 1:
+            done = [roll_out(target, head, prompts[batch[0]], *args, seeds[batch[0]])]
+        else:
+            done = roll_out_batch(target, head, [prompts[i] for i in batch], *args, [seeds[i] for i in batch])
+        for i, rollout in zip(batch, done):
+            rollouts[i] = rollout
+        if progress is not None:
+            progress.update(len(batch))
+    return rollouts
 
 
 def stack_caches(caches: list, target):

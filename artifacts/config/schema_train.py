@@ -156,9 +156,9 @@ class TrainConfig:
 @dataclass
 class OnPolicyConfig:
     """train.stage=on_policy (train/on_policy.py, docs/design.md#on-policy-training): from a supervised head,
-    rounds of rollouts (the target decodes training prompts with the head drafting, greedy, through the
-    reference decoder) and replay (the head drafts again from the rollouts' anchors and is trained against
-    the target's distribution at its drafts: train/losses/replay.py)."""
+    rounds of rollouts (the target decodes training prompts with the head drafting, greedy or sampled,
+    through the reference decoder) and replay (the head drafts again from the rollouts' anchors and is
+    trained against the target's distribution at its drafts: train/losses/replay.py)."""
 
     # where the stage writes its head, checkpoints and rollouts (None: <run_dir>/on_policy); export and eval
     # read its head with export.head_dir=<out_dir>/draft_head
@@ -175,6 +175,9 @@ class OnPolicyConfig:
     # prompts decoded together, one target forward verifying all their rounds (train/rollouts.py
     # `roll_out_batch`; 1: the reference decoder, a prompt at a time)
     rollout_batch_size: int = checked(16, POSITIVE)
+    # the temperature the rollouts verify at (0: greedy; > 0: vLLM's rejection sampling, each prompt its
+    # own seeded stream): the head's served temperature, its held-out acceptance measured at it too
+    temperature: float = checked(0.0, within(0, 2))
     # what the accepted drafts minimise (train.loss's syntax; Draft-OPD: kl, forward KL)
     accepted_loss: str = checked("kl", Check(_is_loss, f"one of {', '.join(DIVERGENCES)} or a weighted sum"))
     # what the rejected drafts minimise (Draft-OPD: rkl, reverse KL; kl: its forward-only ablation)
