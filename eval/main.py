@@ -45,6 +45,7 @@ from export.card import write_model_card
 from heads.head_file import read_record
 from target.model import load_config, load_tokenizer, target_dir
 from target.reaper import leash
+from target.vllm import argument_name
 
 log = logging.getLogger("eval")
 
@@ -57,6 +58,13 @@ def run(cfg: DictConfig) -> dict:
         return evaluate_heads(cfg)
 
 
+def served_context(cfg: DictConfig, target_config) -> int:
+    """The longest context the servers take: their max-model-len (eval.server_args, either spelling, as
+    vLLM's argument helper takes both), else the target's max_position_embeddings (vLLM's own default)."""
+    args = {argument_name(name): value for name, value in (cfg.eval.server_args or {}).items()}
+    return int(args.get("max_model_len") or target_config.max_position_embeddings)
+
+
 def evaluate_heads(cfg: DictConfig) -> dict:
     """The eval stage's work: serve (or decode offline), measure, compare, report."""
     run_dir = Path(cfg.run_dir).resolve()
@@ -66,8 +74,7 @@ def evaluate_heads(cfg: DictConfig) -> dict:
     target_config = load_config(cfg.target)
     configs = server_configs(cfg, run_dir, target_config)  # bad heads fail here, before any server
     tokenizer = load_tokenizer(cfg.target)
-    # The longest context the servers take: their max_model_len (eval.server_args), else the target's.
-    max_model_len = (cfg.eval.server_args or {}).get("max_model_len") or target_config.max_position_embeddings
+    max_model_len = served_context(cfg, target_config)
     prompts = {
         w.name: workload_prompts(
             w.source,

@@ -305,3 +305,23 @@ def test_long_prompts_are_spread_over_the_context_buckets():
         assert all(tokenizer.decode(p).endswith("<|im_start|>assistant\n") for p in prompts)
     chat = tokenizer.decode(prompts[-1])
     assert chat.count("<|im_start|>user") >= 2 and chat.count("<|im_start|>assistant") >= 2  # continued
+
+
+def test_the_served_context_reads_either_spelling_of_max_model_len():
+    """Every shipped config spells it `max-model-len`: eval's long workloads are cut to it, not to the
+    target's max_position_embeddings (8,192 for the main job, served at 2,048: its top bucket's prompts
+    would be refused with HTTP 400)."""
+    from types import SimpleNamespace
+
+    from artifacts.config import compose
+    from eval.main import served_context
+
+    smollm2 = SimpleNamespace(max_position_embeddings=8192)
+    assert served_context(compose("config", ["experiment=smollm2"]), smollm2) == 2048
+    cfg = compose("config", ["experiment=smollm2", "~eval.server_args.max-model-len"])
+    assert served_context(cfg, smollm2) == 8192
+    cfg = compose(
+        "config",
+        ["experiment=smollm2", "~eval.server_args.max-model-len", "+eval.server_args.max_model_len=1024"],
+    )
+    assert served_context(cfg, smollm2) == 1024
