@@ -5,17 +5,19 @@ from the same supervised head, each judged by the acceptance it decodes at on he
     python -m bench.on_policy --run-dir runs/smollm2_quick --seeds 0 1 -- experiment=smollm2_quick
     python -m bench.on_policy --run-dir runs/smollm2_quick --seeds 0 --tag forward_only \\
         --on-policy-override on_policy.rejected_loss=kl -- experiment=smollm2_quick
+    python -m bench.on_policy --run-dir runs/smollm2_quick --out runs/smollm2_quick/on_policy_bench_t1 \\
+        -- experiment=smollm2_quick on_policy.temperature=1
 
-In <run_dir>/on_policy_bench/, for each seed:
+In <run_dir>/on_policy_bench/ (--out), for each seed:
 - on_policy[-<tag>]_s<seed>/: the on-policy stage from <run_dir>/draft_head (the command's overrides, then
   --on-policy-override's); its compute is what its iterations' rollouts and replays took (on_policy.jsonl),
   the held-out rollouts it measures after every iteration left out;
 - supervised_s<seed>/: train/main.py warm-started from the same head (train.init_from) on a link to the
   run's cache, for as many optimizer steps as that compute buys at the step time of the head's own training
   (its train_steps.jsonl: the same machine, the same data); a tag's on-policy run gets no supervised twin;
-then the reference decoder (the fp32 HF target drafting with the head, greedy: the acceptance vLLM serves
-the head at, export verification proves the two equal) on --prompts held-out prompts at the stage's k: the
-start head and every head trained. A head already measured is not trained or measured again; an
+then the reference decoder (the fp32 HF target drafting with the head: the acceptance vLLM serves the head
+at, export verification proves the two equal) on --prompts held-out prompts at the stage's k and
+temperature (sampled: prompt i's stream seeded i for every head): the start head and every head trained. A head already measured is not trained or measured again; an
 interrupted run resumes (train.resume=auto). results.json and results.md gather them.
 """
 
@@ -97,14 +99,15 @@ def acceptance(args, head_dir: Path, overrides: list[str]) -> dict:
     target = target.eval().requires_grad_(False).to(inference_device())
     head, k = load_head(head_dir, target), cfg.on_policy.num_speculative_tokens
     stops = stop_token_ids(tokenizer, target_dir(cfg.target))
-    rollouts = roll_out_all(target, head, prompts, k, args.max_new_tokens, stops)
+    temperature = cfg.on_policy.temperature  # sampled: prompt i's stream seeded i, the same for every head
+    rollouts = roll_out_all(target, head, prompts, k, args.max_new_tokens, stops, temperature)
     counts = sum((r.counts() for r in rollouts), AcceptanceCounts())
-    return {"num_prompts": len(prompts), "k": k, **counts.summary()}
+    return {"num_prompts": len(prompts), "k": k, "temperature": temperature, **counts.summary()}
 
 
 def measured(args, name: str, train, overrides: list[str]) -> dict:
     """A head's summary (trained by `train`, then measured), kept in <bench>/<name>/summary.json."""
-    out = args.run_dir / "on_policy_bench" / name
+    out = args.out / name
     path = out / "summary.json"
     if path.exists():
         return json.loads(path.read_text())
@@ -146,8 +149,10 @@ def main() -> None:
     parser.add_argument("--on-policy-override", nargs="*", default=[], help="on_policy.* / train.* settings")
     parser.add_argument("--prompts", type=int, default=24, help="held-out prompts the heads decode")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, help="where the runs and results go (<run-dir>/on_policy_bench)")
     parser.add_argument("overrides", nargs="*", help="after --: the run's overrides (experiment=...)")
     args = parser.parse_args()
+    args.out = args.out or args.run_dir / "on_policy_bench"
     if not (args.run_dir / "draft_head" / "draft_config.json").exists():
         sys.exit(f"{args.run_dir / 'draft_head'}: no supervised head; train the run first")
     from artifacts.config import compose
@@ -169,7 +174,7 @@ def main() -> None:
                     lambda out, s=seed, t=seconds: supervised(args, s, out, overrides, t), overrides,
                 )
             )  # fmt: skip
-    bench = args.run_dir / "on_policy_bench"
+    bench = args.out
     every = [json.loads(p.read_text()) for p in sorted(bench.glob("*/summary.json"))]
     atomic.write_json(bench / "results.json", every)
     atomic.write_text(bench / "results.md", table(every))

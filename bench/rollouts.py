@@ -30,6 +30,19 @@ from target.model import load_tokenizer, target_dir
 from train.rollouts import prompt_ids, roll_out_all
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its bf16 instructions (a number's machine, as the README states them)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), ""
+    )
+    flags = set(
+        next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    )
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or ["no AVX512-BF16 or AMX"]
+    return f"{name or platform.machine()} ({', '.join(bf16)})"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -70,7 +83,7 @@ def main(argv=None) -> None:
     out = args.run_dir / "on_policy_bench" / "rollouts.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "prompts": len(prompts), "k": args.k, "max_new_tokens": args.max_new_tokens, "results": results,
     }  # fmt: skip
     atomic.save(out, lambda tmp: tmp.write_text(json.dumps(record, indent=2)))
