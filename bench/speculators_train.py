@@ -112,6 +112,52 @@ def speculators_sample(sample: dict, norm_weight_H: torch.Tensor, aux_index: lis
     }
 
 
+def divisor_norm_weight(cfg) -> torch.Tensor:
+    """The final norm's weight w by which `speculators_sample` divides our post-norm states: speculators
+    applies the target's final norm to what it is handed, and RMSNorm(x / w) = x only where that norm is
+    x / rms(x) * w with no zero in w. Refused, naming the target, where either fails: checked on the target's
+    own norm module (built on the meta device, run on a random state), so a (1 + w) norm (Gemma, Qwen3.5,
+    Qwen3-Next) is caught whatever its name."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from target.model import load_config
+
+    weight_H = load_final_norm(cfg.target)
+    where = target_dir(cfg.target)
+    zeros = (weight_H == 0).nonzero().flatten()
+    if len(zeros):
+        raise ValueError(
+            f"{where}: the final norm's weight is 0 in {len(zeros)} of {len(weight_H)} channels (first "
+            f"{int(zeros[0])}): our post-norm states cannot be divided back for speculators' trainer"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(cfg.target))
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is None:
+        raise ValueError(f"{where}: {type(model).__name__} has no model.norm: not a target the adapter knows")
+    norm = copy.deepcopy(norm).to_empty(device="cpu").float()
+    x_TH = torch.randn(4, len(weight_H), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        norm.weight.copy_(weight_H)
+        expected = x_TH * torch.rsqrt(x_TH.pow(2).mean(-1, keepdim=True) + norm_eps(norm)) * weight_H
+        plain = torch.allclose(norm(x_TH), expected, rtol=1e-4, atol=1e-5)
+    if not plain:
+        raise ValueError(
+            f"{where}: the target's final norm ({type(norm).__name__}) is not x / rms(x) * w (Gemma and "
+            "Qwen3.5-style norms scale by 1 + w): the speculators adapter cannot hand it our states"
+        )
+    return weight_H
+
+
+def norm_eps(norm) -> float:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        if isinstance(getattr(norm, name, None), float):
+            return getattr(norm, name)
+    return 1e-6
+
+
 def cache_dataset(split: CacheSplit, norm_weight_H: torch.Tensor, aux_index, max_len: int, dtype):
     """Our cache split as a speculators dataset (its `BaseDataset`: lengths for its packing sampler,
     `lengths` and `position_ids` added by its __getitem__)."""
@@ -155,7 +201,7 @@ def train(run_dir: Path, out: Path, kind: str, seed: int, overrides: list[str], 
     d2t, t2d, vocab_size = parse_vocab_mappings(args)
     model = build_draft_model(args, SpeculatorModel.registry[args.speculator_type], t2d, d2t, vocab_size)
     hidden_dtype = getattr(torch, args.hidden_states_dtype)
-    dataset = cache_dataset(split, load_final_norm(cfg.target), aux_index, args.total_seq_len, hidden_dtype)
+    dataset = cache_dataset(split, divisor_norm_weight(cfg), aux_index, args.total_seq_len, hidden_dtype)
     loader = _setup_dataloader(
         dataset, args.total_seq_len, model.config.transformer_layer_config.hidden_size, num_workers=0,
         num_target_layers=len(aux_ids), prefetch_factor=None, preprocess=shift_batch, seed=args.seed,

@@ -207,10 +207,19 @@ def test_prometheus_checks_the_rules_and_fires_them_as_the_watch_would(judged, t
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="Prometheus' promtool is not installed (make setup unpacks it)")
-def test_rules_for_the_watched_instance_fire_for_no_other(judged, tmp_path):
+def test_rules_for_the_watched_instance_fire_for_it_and_for_no_other(judged, tmp_path):
+    """Rules for one instance fire when it degrades ("b" collapses after 10 minutes) and never for the
+    others, which collapse too ("d", "e") or slow down ("c"); for the healthy "a", never."""
     expected, verdict = judged
-    rules = alert_rules(expected, verdict, MODEL, "a")
-    promtool_test(tmp_path, rules, replicas(verdict), [
-        {"eval_time": f"{m}m", "alertname": name, "exp_alerts": []}
-        for m in (9, 19, 29) for name in (DEGRADED, NET_NEGATIVE, LATENCY)
-    ])  # fmt: skip
+    collapsed = {19: (DEGRADED, NET_NEGATIVE), 29: (DEGRADED, NET_NEGATIVE)}
+    for watched, firing in (("b", collapsed), ("a", {})):
+        rules = alert_rules(expected, verdict, MODEL, watched)
+        by_name = {r["alert"]: r for r in rules["groups"][0]["rules"]}
+        alerts = [
+            {"eval_time": f"{m}m", "alertname": name, "exp_alerts": [
+                {"exp_labels": {**by_name[name]["labels"], "instance": watched},
+                 "exp_annotations": by_name[name]["annotations"]}
+            ] if name in firing.get(m, ()) else []}
+            for m in (9, 19, 29) for name in (DEGRADED, NET_NEGATIVE, LATENCY)
+        ]  # fmt: skip
+        promtool_test(tmp_path, rules, replicas(verdict), alerts)
