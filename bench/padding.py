@@ -47,9 +47,11 @@ def padded_fractions(lengths: list[int], answers: list[int], micro_batches: list
     }
 
 
-def packed_padding(lengths: list[int], budget: int) -> float:
-    """Padding share when all the samples are packed into rows of `budget` tokens, first fit, longest first
-    (the bound for any plan: train's packs each epoch's random order, `train.data.pack_rows`)."""
+def packed_padding(lengths: list[int], budget: int, rows_per_batch: int) -> float:
+    """Padding share when all the samples are packed into rows of at most `budget` tokens, first fit,
+    longest first, the rows then batched `rows_per_batch` at a time longest first, each micro-batch padded
+    to its longest row as train's collate pads it: the bound for any plan of train's (which packs each
+    epoch's random order, `train.data.pack_rows`) - 0 with one row a micro-batch, as the plan's is."""
     rows: list[int] = []
     for n in sorted(lengths, reverse=True):
         for r, used in enumerate(rows):
@@ -58,7 +60,12 @@ def packed_padding(lengths: list[int], budget: int) -> float:
                 break
         else:
             rows.append(n)
-    return 1 - sum(lengths) / (len(rows) * budget)
+    rows.sort(reverse=True)
+    computed = sum(
+        len(batch) * batch[0]
+        for batch in (rows[i : i + rows_per_batch] for i in range(0, len(rows), rows_per_batch))
+    )
+    return 1 - sum(lengths) / computed
 
 
 def plan_fractions(lengths, answers, cfg, processes: int, epochs: int, pack_length: int | None) -> dict:
@@ -86,7 +93,7 @@ def measure(cfg, processes: int, epochs: int) -> dict:
         "one_a_row": plan_fractions(lengths, answers, cfg, processes, epochs, None),
         "pack_length": pack_length,
         "packed": plan_fractions(lengths, answers, cfg, processes, epochs, pack_length),
-        "packed_bound": round(packed_padding(lengths, pack_length), 4),
+        "packed_bound": round(packed_padding(lengths, pack_length, b), 4),
     }
 
 

@@ -5,7 +5,7 @@ every sample of an epoch once, into rows that fit."""
 import pytest
 import torch
 
-from bench.padding import packed_padding
+from bench.padding import packed_padding, padded_fractions
 from heads.eagle1 import Eagle1Config, Eagle1Draft
 from heads.layers import fused_rows
 from tests.helpers import random_draft, tiny_head_config
@@ -155,9 +155,19 @@ def test_the_plan_packs_each_sample_once_into_rows_that_fit():
     ids = [i for row in rows for i in row]
     assert len(ids) == len(set(ids)) and len(ids) > 0.9 * len(lengths)  # the last step's rows are dropped
     assert all(sum(lengths[i] for i in row) <= 512 for row in rows)
-    # Rows nearly full: first fit in the epoch's random order leaves 7.4% here (uniform lengths up to a
-    # row's length, the hard case); the whole epoch packed longest first, 3.6%.
-    assert 1 - sum(lengths[i] for i in ids) / (512 * len(rows)) < 2.5 * packed_padding(lengths, 512) < 0.1
+    # Rows nearly full, padded as collate pads them (to each micro-batch's longest row): first fit in the
+    # epoch's random order leaves 1.1% here (uniform lengths up to a row's length, the hard case), the
+    # whole epoch packed longest first 0.2%
+    micro = [rows for step in plan for rank in step for rows in rank]
+    padding = padded_fractions(lengths, [0] * len(lengths), micro)["padding"]
+    assert packed_padding(lengths, 512, 2) <= padding < packed_padding(lengths, 512, 2) + 0.015
+    # one row a micro-batch: no padding at all, and the bound says so (it padded every row to 512)
+    alone = [rows for step in plan_epoch(lengths, 1, 1, 1, 3, 1, 512) for rank in step for rows in rank]
+    assert (
+        padded_fractions(lengths, [0] * len(lengths), alone)["padding"]
+        == 0
+        == packed_padding(lengths, 512, 1)
+    )
     assert plan == plan_epoch(lengths, 2, 2, 2, seed=3, epoch=1, pack_length=512)  # deterministic
     assert plan != plan_epoch(lengths, 2, 2, 2, seed=3, epoch=2, pack_length=512)
     # the same global batches whatever the number of processes
