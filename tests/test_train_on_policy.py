@@ -121,6 +121,19 @@ def smoke_head_of(kind: str, run_dir, seed: int = 0):
 TRAINED = {"eagle3": "regen_head", "peagle": "regen_peagle_head"}
 
 
+def rolled_out_head(request, smoke_run, kind: str):
+    """The run, target and head (`TRAINED`'s for its kinds, else a random one) that the rollout tests roll
+    out."""
+    from heads.reference_decoder import DraftHead, load_head
+
+    if kind in TRAINED:
+        run_dir = request.getfixturevalue(TRAINED[kind])
+        _, _, target, _ = smoke_head_of("eagle3", run_dir)
+        return run_dir, target, load_head(run_dir / "draft_head", target)
+    _, draft, target, d2t = smoke_head_of(kind, smoke_run)
+    return smoke_run, target, DraftHead(draft, d2t)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_batched_rollouts_are_the_reference_decoders_rollouts(request, smoke_run, kind):
     """Prompts of different lengths rolled out together (one target forward verifies every row's round,
@@ -128,31 +141,25 @@ def test_batched_rollouts_are_the_reference_decoders_rollouts(request, smoke_run
     same sequence, anchors, drafts and decisions; features and teacher states equal but for the batched
     arithmetic's rounding."""
     from artifacts.cache import CacheSplit
-    from heads.reference_decoder import DraftHead, load_head
     from train.rollouts import prompt_ids, roll_out, roll_out_batch
 
-    if kind in TRAINED:
-        run_dir = request.getfixturevalue(TRAINED[kind])
-        _, _, target, _ = smoke_head_of("eagle3", run_dir)
-        head = load_head(run_dir / "draft_head", target)
-    else:
-        run_dir = smoke_run
-        _, draft, target, d2t = smoke_head_of(kind, run_dir)
-        head = DraftHead(draft, d2t)
+    run_dir, target, head = rolled_out_head(request, smoke_run, kind)
     split = CacheSplit(run_dir / "cache", "train")
     prompts = [prompt_ids(split, i) for i in range(4)]
     assert len({len(p) for p in prompts}) > 1, "rows of different lengths: left padding exercised"
     alone = [roll_out(target, head, p, 3, 24, ()) for p in prompts]
     stop = int(alone[1].input_ids[len(prompts[1]) + 5])  # row 1 stops early; others may too
-    alone = [roll_out(target, head, p, 3, 24, [stop]) for p in prompts]
-    batched = roll_out_batch(target, head, prompts, 3, 24, [stop])
-    assert len({len(r.anchors) for r in alone}) > 1, "rows finish at different rounds"
-    for one, together in zip(alone, batched):
-        for name in ("input_ids", "anchors", "drafts", "accepted"):
-            assert torch.equal(getattr(one, name), getattr(together, name)), name
-        for name in ("features", "final"):
-            torch.testing.assert_close(getattr(together, name).float(), getattr(one, name).float(),
-                                       atol=2e-2, rtol=2e-2)  # fmt: skip
+    for temperature in (0.0, 1.0):  # greedy, then sampled: each prompt from its own seeded stream
+        seeds = [7 * i for i in range(len(prompts))]
+        alone = [roll_out(target, head, p, 3, 24, [stop], temperature, s) for p, s in zip(prompts, seeds)]
+        batched = roll_out_batch(target, head, prompts, 3, 24, [stop], temperature, seeds)
+        assert len({len(r.anchors) for r in alone}) > 1, "rows finish at different rounds"
+        for one, together in zip(alone, batched):
+            for name in ("input_ids", "anchors", "drafts", "accepted"):
+                assert torch.equal(getattr(one, name), getattr(together, name)), (temperature, name)
+            for name in ("features", "final"):
+                torch.testing.assert_close(getattr(together, name).float(), getattr(one, name).float(),
+                                           atol=2e-2, rtol=2e-2)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
@@ -163,19 +170,12 @@ def test_a_replay_drafts_what_the_rollout_drafted_and_decides_as_the_reference_d
     at its anchors - fed the rollout's drafts, on the stored features - drafts the same tokens at every
     round: training sees the head exactly as it drafted when served."""
     from artifacts.cache import CacheSplit
-    from heads.reference_decoder import DraftHead, load_head, speculative_generate
+    from heads.reference_decoder import speculative_generate
     from train.losses.replay import replay_outputs
     from train.rollouts import collate_rollouts, prompt_ids, read_rollouts, roll_out, write_rollouts
 
-    if kind in TRAINED:
-        run_dir = request.getfixturevalue(TRAINED[kind])
-        _, _, target, _ = smoke_head_of("eagle3", run_dir)
-        head = load_head(run_dir / "draft_head", target)
-        draft, d2t = head.draft, head.draft_to_target
-    else:
-        run_dir = smoke_run
-        _, draft, target, d2t = smoke_head_of(kind, run_dir)
-        head = DraftHead(draft, d2t)
+    run_dir, target, head = rolled_out_head(request, smoke_run, kind)
+    draft, d2t = head.draft, head.draft_to_target
     split = CacheSplit(run_dir / "cache", "train")
     prompts = [prompt_ids(split, i) for i in range(3)]
     rollouts = [roll_out(target, head, p, 3, 24, ()) for p in prompts]
